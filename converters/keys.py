@@ -1,0 +1,65 @@
+"""The one table between our Flax parameter paths and speculators' tensor keys.
+
+Paths mirror the keys, so the mapping is three rules on the last path element:
+
+| Flax path (``/``-joined)            | speculators key (``.``-joined) | transform        |
+| ----------------------------------- | ------------------------------ | ---------------- |
+| ``.../kernel`` (nnx.Linear)          | ``.../weight``                  | transpose [out,in] |
+| ``.../embedding`` (nnx.Embed)        | ``.../weight``                  | none             |
+| ``.../weight``, ``.../bias``         | same                           | none             |
+
+numpy only (no torch, no JAX transforms): used by the converters and the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from flax import nnx
+
+
+def speculators_key(path: Iterable) -> tuple[str, bool]:
+    """(key, transpose) for a Flax parameter path such as ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
+    parts = [str(p) for p in path]
+    leaf = parts[-1]
+    if leaf == "kernel":
+        return ".".join(parts[:-1] + ["weight"]), True
+    if leaf == "embedding":
+        return ".".join(parts[:-1] + ["weight"]), False
+    if leaf in ("weight", "bias"):
+        return ".".join(parts), False
+    raise KeyError(f"no speculators key for parameter path {'/'.join(parts)!r}")
+
+
+def to_speculators(params: nnx.State) -> dict[str, np.ndarray]:
+    """Trainable parameter state -> {speculators key: array in torch layout}."""
+    out: dict[str, np.ndarray] = {}
+    for path, var in nnx.to_flat_state(params):
+        key, transpose = speculators_key(path)
+        value = np.asarray(var[...] if hasattr(var, "get_value") else var)
+        out[key] = value.T if transpose else value
+    return out
+
+
+def from_speculators(tensors: Mapping[str, np.ndarray], params: nnx.State) -> nnx.State:
+    """Fill ``params`` (a state of the right structure) from speculators tensors.
+
+    Raises naming the key on a missing tensor or a shape mismatch; extra tensors
+    are left to the caller to judge (the converter's check does).
+    """
+    flat = nnx.to_flat_state(params)
+    updates = []
+    for path, var in flat:
+        key, transpose = speculators_key(path)
+        if key not in tensors:
+            raise KeyError(f"missing tensor {key!r} (for parameter {'/'.join(map(str, path))})")
+        value = np.asarray(tensors[key])
+        value = value.T if transpose else value
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(
+                f"tensor {key!r}: expected shape {tuple(var.shape)[::-1] if transpose else tuple(var.shape)} "
+                f"(torch layout), got {tuple(np.asarray(tensors[key]).shape)}"
+            )
+        updates.append((path, var.replace(value.astype(var.dtype))))
+    return nnx.from_flat_state(updates)

@@ -1,0 +1,153 @@
+"""Build speculators 0.9.0's DSparkDraftModel with our weights, and run it on our
+batch with our anchors (the test oracle). Imports torch: tests/reference only."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from converters.keys import to_speculators
+from dspark_jax.config import DSparkConfig
+from dspark_jax.model.draft import FrozenWeights
+
+
+def reference_config(cfg: DSparkConfig):
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dspark import DSparkSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    tl = dict(cfg.transformer_layer_dict())
+    tl.pop("model_type"), tl.pop("architectures")
+    tl_config = Qwen3Config(**tl)
+    tl_config._attn_implementation = "eager"  # flex attention needs a GPU
+    return DSparkSpeculatorConfig(
+        transformer_layer_config=tl_config,
+        draft_vocab_size=cfg.draft_vocab_size,
+        block_size=cfg.block_size,
+        aux_hidden_state_layer_ids=list(cfg.aux_hidden_state_layer_ids),
+        mask_token_id=cfg.mask_token_id,
+        sample_from_anchor=cfg.sample_from_anchor,
+        sliding_window_non_causal=cfg.sliding_window_non_causal,
+        markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type,
+        enable_confidence_head=cfg.enable_confidence_head,
+        confidence_head_with_markov=cfg.confidence_head_with_markov,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dspark",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.speculative_tokens)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+        ),
+    )
+
+
+def build_reference_model(
+    cfg: DSparkConfig, params, frozen: FrozenWeights, t2d: np.ndarray | None = None
+):
+    """A float32 reference model holding our trainable params and frozen tensors."""
+    from speculators.models.dspark import DSparkDraftModel as RefModel
+
+    model = RefModel(reference_config(cfg)).float()
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in to_speculators(params).items()}
+    sd["embed_tokens.weight"] = torch.from_numpy(np.asarray(frozen.embed_tokens))
+    sd["lm_head.weight"] = torch.from_numpy(np.asarray(frozen.lm_head).T.copy())
+    sd["verifier_lm_head.weight"] = torch.from_numpy(np.asarray(frozen.verifier_lm_head).T.copy())
+    sd["verifier_norm.weight"] = torch.from_numpy(np.asarray(frozen.verifier_norm))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    allowed_missing = {"t2d", "d2t"}
+    assert not unexpected, unexpected
+    assert set(missing) <= allowed_missing, missing
+    if t2d is not None:
+        model.t2d.copy_(torch.from_numpy(t2d))
+    return model
+
+
+@dataclass
+class ReferenceRun:
+    loss: torch.Tensor
+    metrics: dict
+    logits: np.ndarray  # [Q, Vd] Markov-corrected draft logits
+    targets: np.ndarray  # [Q, Vd]
+    confidence_logits: np.ndarray | None
+    loss_mask: np.ndarray  # [Q]
+    grads: dict[str, np.ndarray]  # speculators key -> grad (torch layout)
+
+
+@contextlib.contextmanager
+def _injected(anchors: np.ndarray, valid: np.ndarray, captured: dict):
+    import speculators.models.dflash.core as dflash_core
+    import speculators.models.dspark.core as dspark_core
+
+    original_select, original_metrics = dflash_core.select_anchors, dspark_core.compute_metrics
+
+    def select(loss_mask, num_anchors, block_size):
+        assert num_anchors == len(anchors)
+        return torch.from_numpy(anchors.astype(np.int64)), torch.from_numpy(valid)
+
+    def metrics(logits, targets, confidence_logits, loss_mask, *a, **kw):
+        logits.retain_grad()
+        captured.update(logits=logits, targets=targets, conf=confidence_logits, mask=loss_mask)
+        return original_metrics(logits, targets, confidence_logits, loss_mask, *a, **kw)
+
+    dflash_core.select_anchors, dspark_core.compute_metrics = select, metrics
+    try:
+        yield
+    finally:
+        dflash_core.select_anchors, dspark_core.compute_metrics = original_select, original_metrics
+
+
+def run_reference(
+    model,
+    row: dict[str, np.ndarray],
+    anchors: np.ndarray,
+    valid: np.ndarray,
+    *,
+    loss_fn: str,
+    gamma: float = 4.0,
+    confidence_head_alpha: float = 1.0,
+    per_position_loss_weight: str = "fixed-exp-decay",
+) -> ReferenceRun:
+    """Forward + backward of the reference on one row with the given anchors."""
+    from speculators.losses import eager, resolve_loss_config
+
+    def t(name, dtype=None):
+        x = torch.from_numpy(np.asarray(row[name]))[None]
+        return x.to(dtype) if dtype is not None else x
+
+    captured: dict = {}
+    model.zero_grad(set_to_none=True)
+    with _injected(anchors, valid, captured):
+        _, loss, metrics = model(
+            hidden_states=t("hidden_states", torch.float32),
+            input_ids=t("input_ids", torch.long),
+            loss_mask=t("loss_mask", torch.long),
+            verifier_last_hidden_states=t("verifier_last_hidden_states", torch.float32),
+            document_ids=t("document_ids", torch.long),
+            position_ids=t("position_ids", torch.long),
+            loss_config=resolve_loss_config(loss_fn, "eager"),
+            tv_loss_fn=eager.tv_loss,
+            gamma=gamma,
+            max_anchors=len(anchors),
+            confidence_head_alpha=confidence_head_alpha,
+            per_position_loss_weight=per_position_loss_weight,
+        )
+    loss.backward()
+    grads = {
+        k: p.grad.detach().numpy().copy()
+        for k, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
+    conf = captured["conf"]
+    return ReferenceRun(
+        loss=loss.detach(),
+        metrics={k: float(v) for k, v in metrics.items()},
+        logits=captured["logits"].detach()[0].numpy(),
+        targets=captured["targets"].detach()[0].numpy(),
+        confidence_logits=None if conf is None else conf.detach()[0].numpy(),
+        loss_mask=captured["mask"].detach()[0].numpy(),
+        grads=grads,
+    )

@@ -1,0 +1,226 @@
+"""The JAX drafter against speculators 0.9.0's DSparkDraftModel: same weights, same
+row, same anchors -> same logits, targets, loss, metrics and parameter gradients.
+
+Tolerances (fp32 on CPU): both sides compute the same fp32 graph but with other
+summation orders (online-softmax attention vs dense softmax, chunked vs full vocab
+reductions), so values agree to a few ulps of their magnitude: logits and loss to
+rtol 1e-5 / atol 1e-5, gradients to rtol 1e-4 / atol 1e-6 (they sum over every slot
+and are ~1e-3 in size), counts in metrics exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("speculators")
+pytestmark = pytest.mark.reference
+
+from flax import nnx  # noqa: E402
+
+from converters.keys import to_speculators  # noqa: E402
+from dspark_jax.config import DSparkConfig  # noqa: E402
+from dspark_jax.model.draft import (  # noqa: E402
+    DSparkDraftModel,
+    FrozenWeights,
+    LossSettings,
+    row_loss,
+    target_hidden,
+)
+from tests.reference.harness import build_reference_model, run_reference  # noqa: E402
+
+VT, H = 64, 32
+SEQ = 48
+DOCS = (20, 17)  # two documents, then 11 padding positions
+
+
+def base_config(**kw) -> DSparkConfig:
+    fields = dict(
+        hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        head_dim=8,
+        num_hidden_layers=2,
+        vocab_size=VT,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=6,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        block_size=4,
+        mask_token_id=VT - 1,
+        aux_hidden_state_layer_ids=(1, 3),
+        markov_rank=8,
+    )
+    fields.update(kw)
+    return DSparkConfig(**fields)
+
+
+CASES = {
+    # name: (config overrides, loss_fn, per_position_loss_weight, num_anchors)
+    "vanilla-anchor-confmarkov": (dict(), '{"ce":0.1,"tv":0.9}', "fixed-exp-decay", 8),
+    "gated-dflash-conf-plain-reduced-vocab": (
+        dict(
+            markov_head_type="gated",
+            sample_from_anchor=False,
+            confidence_head_with_markov=False,
+            draft_vocab_size=40,
+        ),
+        "kl_div",
+        "fixed-exp-decay",
+        8,
+    ),
+    "rnn-noncausal-sliding-reduced-vocab": (
+        dict(
+            markov_head_type="rnn",
+            draft_vocab_size=40,
+            sliding_window_non_causal=True,
+            enable_confidence_head=False,
+        ),
+        "ce",
+        "dpace",
+        6,
+    ),
+    "no-markov-full-attn-bias": (
+        dict(
+            markov_rank=0,
+            confidence_head_with_markov=False,
+            layer_types=None,
+            sliding_window=None,
+            attention_bias=True,
+        ),
+        '{"tv":1.0,"kl_div":0.5}',
+        "fixed-exp-decay",
+        8,
+    ),
+}
+
+
+def make_row(rng: np.random.Generator, cfg: DSparkConfig) -> dict[str, np.ndarray]:
+    pos, doc = [], []
+    for d, n in enumerate(DOCS):
+        pos += list(range(n))
+        doc += [d] * n
+    pad = SEQ - len(pos)
+    pos += [0] * pad
+    doc += [-1] * pad
+    # Supervised spans inside each document (assistant turns), none on padding.
+    loss_mask = np.zeros(SEQ, np.int64)
+    loss_mask[5:18] = 1
+    loss_mask[26:35] = 1
+    n_aux = cfg.num_aux_layers
+    return {
+        "hidden_states": rng.standard_normal((SEQ, n_aux * H)).astype(np.float32),
+        "verifier_last_hidden_states": rng.standard_normal((SEQ, H)).astype(np.float32) * 2,
+        "input_ids": rng.integers(0, VT - 1, SEQ).astype(np.int64),
+        "loss_mask": loss_mask,
+        "position_ids": np.asarray(pos, np.int64),
+        "document_ids": np.asarray(doc, np.int64),
+    }
+
+
+def make_frozen(rng: np.random.Generator, cfg: DSparkConfig):
+    embed = rng.standard_normal((VT, H)).astype(np.float32)
+    head_full = (rng.standard_normal((VT, H)) * 0.3).astype(np.float32)  # torch layout [Vt, H]
+    t2d = None
+    head = head_full
+    if cfg.uses_draft_vocab:
+        t2d = np.zeros(VT, bool)
+        t2d[rng.choice(VT, cfg.draft_vocab_size, replace=False)] = True
+        head = head_full[t2d]
+    frozen = FrozenWeights(
+        embed_tokens=embed,
+        lm_head=head.T.copy(),
+        verifier_lm_head=head.T.copy(),
+        verifier_norm=(1.0 + 0.1 * rng.standard_normal(H)).astype(np.float32),
+    )
+    return frozen, t2d
+
+
+def anchors_for(loss_mask: np.ndarray, num: int, block: int, rng: np.random.Generator):
+    """Sorted valid anchors then invalid zeros, like select_anchors. Includes an
+    anchor whose block straddles the end of document 0 (position 17)."""
+    eligible = np.flatnonzero((loss_mask > 0) & (np.arange(SEQ) < SEQ - block))
+    k = min(num - 2, len(eligible))  # always leave two padding anchors
+    chosen = set(rng.choice(eligible, k - 1, replace=False).tolist()) | {17}
+    chosen = sorted(chosen)[: num - 2]
+    anchors = np.zeros(num, np.int64)
+    valid = np.zeros(num, bool)
+    anchors[: len(chosen)] = chosen
+    valid[: len(chosen)] = True
+    return anchors, valid
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_drafter_matches_reference(case):
+    overrides, loss_fn, weighting, num_anchors = CASES[case]
+    cfg = base_config(**overrides)
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    row = make_row(rng, cfg)
+    frozen, t2d = make_frozen(rng, cfg)
+    anchors, valid = anchors_for(row["loss_mask"], num_anchors, cfg.block_size, rng)
+
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, remat=False)
+    # Perturb norms and biases off their init so their gradients and roles are tested.
+    params = nnx.state(model, nnx.Param)
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), params)
+    nnx.update(model, params)
+
+    ref_model = build_reference_model(cfg, nnx.state(model, nnx.Param), frozen, t2d)
+    ref = run_reference(
+        ref_model, row, anchors, valid, loss_fn=loss_fn, per_position_loss_weight=weighting
+    )
+
+    settings = LossSettings.from_loss_fn(
+        loss_fn, num_anchors=num_anchors, per_position_loss_weight=weighting, vocab_chunk_tokens=12
+    )
+    jrow = {k: jnp.asarray(v.astype(np.int32) if v.dtype == np.int64 else v) for k, v in row.items()}
+    jfrozen = FrozenWeights(*(jnp.asarray(x) for x in frozen))
+    ja, jv = jnp.asarray(anchors, jnp.int32), jnp.asarray(valid)
+
+    def loss_of(m):
+        return row_loss(m, jfrozen, jrow, ja, jv, settings)
+
+    (loss, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
+
+    # Logits (Markov-corrected) and targets, densely: fine at this vocab size.
+    out = model(jrow, ja, jfrozen)
+    logits = out.hidden @ jfrozen.lm_head
+    if out.markov_feature is not None:
+        logits = logits + out.markov_feature @ model.markov_w2()
+    targets = target_hidden(jrow, ja, jfrozen, cfg, jnp.float32) @ jfrozen.verifier_lm_head
+    np.testing.assert_allclose(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(targets, ref.targets, rtol=1e-5, atol=1e-5)
+    if ref.confidence_logits is not None:
+        np.testing.assert_allclose(out.confidence_logits, ref.confidence_logits, rtol=1e-5, atol=1e-5)
+    else:
+        assert out.confidence_logits is None
+
+    np.testing.assert_allclose(float(loss), float(ref.loss), rtol=1e-5, atol=1e-6)
+    assert set(metrics) == set(ref.metrics), set(metrics) ^ set(ref.metrics)
+    for k, v in ref.metrics.items():
+        np.testing.assert_allclose(float(metrics[k]), v, rtol=1e-5, atol=1e-5, err_msg=k)
+
+    ours = to_speculators(grads)
+    assert set(ours) == set(ref.grads), set(ours) ^ set(ref.grads)
+    for k, g in ref.grads.items():
+        np.testing.assert_allclose(ours[k], g, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_config_mismatch_raises_with_field_and_shapes():
+    cfg = base_config()
+    rng = np.random.default_rng(0)
+    row = make_row(rng, cfg)
+    frozen, _ = make_frozen(rng, cfg)
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, remat=False)
+    bad = dict(row, hidden_states=row["hidden_states"][:, :H])
+    anchors = jnp.zeros(4, jnp.int32)
+    with pytest.raises(ValueError, match=r"row\['hidden_states'\]: expected shape \(48, 64\).*got \(48, 32\)"):
+        model(bad, anchors, FrozenWeights(*frozen))
+    wrong = dataclasses.replace(cfg, draft_vocab_size=40)
+    with pytest.raises(ValueError, match=r"FrozenWeights.lm_head: expected shape \(32, 40\), got \(32, 64\)"):
+        FrozenWeights(*frozen).check(wrong)
