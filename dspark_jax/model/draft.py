@@ -223,7 +223,7 @@ def row_loss(
     out = model(row, anchors, frozen)
     values = losses.per_position_values(
         out.hidden,
-        frozen.lm_head.astype(model.dtype),
+        jax.lax.stop_gradient(frozen.lm_head.astype(model.dtype)),
         target_hidden(row, anchors, frozen, cfg, model.dtype),
         jax.lax.stop_gradient(frozen.verifier_lm_head.astype(model.dtype)),
         out.markov_feature,

@@ -1,0 +1,103 @@
+"""DSparkConfig: validation messages and the speculators config.json format."""
+
+import json
+
+import pytest
+
+from dspark_jax.config import DSparkConfig
+
+BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_hidden_layers=2,
+    vocab_size=64,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=6,
+    block_size=4,
+    mask_token_id=63,
+    aux_hidden_state_layer_ids=[1, 3],
+    markov_rank=8,
+    verifier_name_or_path="demo/verifier",
+)
+
+
+def test_json_round_trip(tmp_path):
+    cfg = DSparkConfig(**BASE, draft_vocab_size=40, markov_head_type="gated")
+    cfg.save_json(tmp_path / "config.json")
+    d = json.loads((tmp_path / "config.json").read_text())
+    assert "model_type" not in d  # vLLM would not recognise the folder otherwise
+    assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert d["transformer_layer_config"]["model_type"] == "qwen3"
+    assert DSparkConfig.load_json(tmp_path) == cfg
+
+
+def test_speculative_tokens_follow_sample_from_anchor():
+    assert DSparkConfig(**BASE).speculative_tokens == 4
+    assert DSparkConfig(**BASE, sample_from_anchor=False).speculative_tokens == 3
+
+
+def test_missing_sample_from_anchor_reads_as_false_like_vllm():
+    d = DSparkConfig(**BASE).to_speculators_dict()
+    del d["sample_from_anchor"]
+    assert DSparkConfig.from_speculators_dict(d).sample_from_anchor is False
+
+
+def test_per_layer_semantics():
+    cfg = DSparkConfig(**BASE)
+    assert cfg.layer_sliding_window(0) == 6 and cfg.layer_causal_in_block(0)
+    assert cfg.layer_sliding_window(1) is None and not cfg.layer_causal_in_block(1)
+    nc = DSparkConfig(**BASE, sliding_window_non_causal=True)
+    assert not nc.layer_causal_in_block(0)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (dict(markov_rank=0), r"confidence_head_with_markov=True requires markov_rank > 0"),
+        (dict(markov_head_type="lstm"), r"markov_head_type: unknown head type 'lstm'"),
+        (dict(num_key_value_heads=3), r"num_attention_heads must be a multiple of num_key_value_heads"),
+        (dict(layer_types=["full_attention"]), r"layer_types has 1 entries, expected num_hidden_layers=2"),
+        (dict(layer_types=["sliding_attention", "x"]), r"unknown layer type 'x'"),
+        (dict(sliding_window=None), r"sliding_window must be a positive int"),
+        (dict(draft_vocab_size=65), r"draft_vocab_size \(65\) must not exceed vocab_size \(64\)"),
+        (dict(mask_token_id=64), r"mask_token_id must be in \[0, vocab_size=64\)"),
+        (dict(hidden_size=0), r"hidden_size must be a positive int"),
+        (dict(aux_hidden_state_layer_ids=[]), r"aux_hidden_state_layer_ids must not be empty"),
+        (dict(aux_hidden_state_layer_ids=[2, 2]), r"aux_hidden_state_layer_ids must be distinct"),
+    ],
+)
+def test_validation_names_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        DSparkConfig(**{**BASE, **override})
+
+
+def test_bad_json_files_name_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=f"{path}: not valid JSON"):
+        DSparkConfig.load_json(path)
+    d = DSparkConfig(**BASE).to_speculators_dict()
+    d["speculators_model_type"] = "eagle3"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="speculators_model_type must be 'dspark'"):
+        DSparkConfig.load_json(path)
+    d = DSparkConfig(**BASE).to_speculators_dict()
+    d["transformer_layer_config"]["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0}
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        DSparkConfig.load_json(path)
+
+
+@pytest.mark.reference
+def test_reads_config_saved_by_speculators(tmp_path):
+    pytest.importorskip("speculators")
+    from tests.reference.harness import reference_config
+
+    cfg = DSparkConfig(**BASE, draft_vocab_size=40, sample_from_anchor=False)
+    reference_config(cfg).save_pretrained(tmp_path)
+    back = DSparkConfig.load_json(tmp_path / "config.json")
+    # The reference config records no verifier path here (None).
+    assert back == cfg.replace(verifier_name_or_path=None)

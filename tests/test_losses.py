@@ -1,0 +1,403 @@
+"""dspark_jax.losses: SPEC.md §2 golden example, chunked == full-logit oracle, spec parsing."""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.losses import (
+    PER_POSITION_TERMS,
+    dpace_weights,
+    dspark_loss,
+    fixed_exp_decay_weights,
+    parse_loss_fn,
+    per_position_values,
+)
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def naive_per_position_values(
+    draft_hidden,
+    lm_head,
+    target_hidden,
+    verifier_head,
+    markov_feature=None,
+    markov_w2=None,
+    *,
+    terms,
+):
+    """Oracle: the same values from full [Q, Vd] logits, written straight from the formulas."""
+    z = jnp.dot(draft_hidden, lm_head, precision=HIGHEST, preferred_element_type=jnp.float32)
+    if markov_feature is not None:
+        z = z + jnp.dot(
+            markov_feature, markov_w2, precision=HIGHEST, preferred_element_type=jnp.float32
+        )
+    t = jax.lax.stop_gradient(
+        jnp.dot(target_hidden, verifier_head, precision=HIGHEST, preferred_element_type=jnp.float32)
+    )
+    q, p = jax.nn.softmax(z, axis=-1), jax.nn.softmax(t, axis=-1)
+    logq, logp = jax.nn.log_softmax(z, axis=-1), jax.nn.log_softmax(t, axis=-1)
+    labels = jnp.argmax(t, axis=-1)
+    overlap = jnp.minimum(q, p).sum(-1)
+    kl = (jax.scipy.special.xlogy(p, p) - p * logq).sum(-1)
+    log_m = jnp.log(0.5 * (p + q))
+    formulas = {
+        "ce": lambda: (
+            jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, labels[:, None], 1)[:, 0]
+        ),
+        "tv": lambda: 1.0 - overlap,
+        "kl_div": lambda: kl,
+        "rkl": lambda: (q * (logq - logp)).sum(-1),
+        "jsd": lambda: 0.5 * ((p * (logp - log_m)).sum(-1) + (q * (logq - log_m)).sum(-1)),
+        "nla": lambda: -jnp.log(jnp.maximum(overlap, 1e-5)),
+        "lk_hybrid": lambda: (
+            jnp.exp(-3.0 * jax.lax.stop_gradient(overlap)) * kl
+            + (1.0 - jnp.exp(-3.0 * jax.lax.stop_gradient(overlap))) * (1.0 - overlap)
+        ),
+    }
+    out = {name: formulas[name]() for name in terms}
+    out["accept"] = jax.lax.stop_gradient(overlap)
+    out["pred_ids"] = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    out["target_ids"] = labels.astype(jnp.int32)
+    return out
+
+
+# ---------------------------------------------------------------- golden example, SPEC §2
+
+GOLDEN_MASK = np.array([1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 0], np.int32)
+
+
+def _golden_inputs():
+    ti = np.arange(16, dtype=np.float64)[:, None]
+    vi = np.arange(8, dtype=np.float64)[None, :]
+    z = (3.0 * np.sin(0.37 * ti + 1.3 * vi)).astype(np.float32)
+    t = (3.0 * np.cos(0.23 * ti - 0.7 * vi)).astype(np.float32)
+    conf = np.linspace(-2.0, 2.0, 16, dtype=np.float32)
+    return jnp.asarray(z), jnp.asarray(t), jnp.asarray(conf)
+
+
+@pytest.mark.parametrize("chunk_size", [5, 1024])
+def test_golden_example_of_spec(chunk_size):
+    z, t, conf = _golden_inputs()
+    eye = jnp.eye(8, dtype=jnp.float32)  # H = V: the heads pass the logits through
+    weights = parse_loss_fn('{"ce":0.1,"tv":0.9}')
+
+    @jax.jit
+    def run(z, t, conf, mask):
+        values = per_position_values(z, eye, t, eye, terms=tuple(weights), chunk_size=chunk_size)
+        return dspark_loss(
+            values,
+            conf,
+            mask,
+            block_size=8,
+            loss_weights=weights,
+            gamma=4.0,
+            confidence_head_alpha=1.0,
+        )
+
+    loss, m = run(z, t, conf, jnp.asarray(GOLDEN_MASK))
+    atol = 1e-6
+    np.testing.assert_allclose(m["ce_loss_sum"], 1.438992, atol=atol)
+    np.testing.assert_allclose(m["tv_loss_sum"], 0.283568, atol=atol)
+    np.testing.assert_allclose(loss - m["confidence_loss_sum"], 0.399110, atol=atol)
+    np.testing.assert_allclose(m["confidence_loss_sum"], 0.436568, atol=atol)
+    np.testing.assert_allclose(loss, 0.835678, atol=atol)
+    np.testing.assert_allclose(m["loss_sum"], loss)
+    np.testing.assert_allclose(m["accept_rate_sum"], 4.741989, atol=atol)
+    assert float(m["accept_rate_total"]) == 12.0
+    np.testing.assert_allclose(m["accept_len_sum"], 2.809987, atol=atol)
+    assert float(m["accept_len_total"]) == 2.0
+
+
+# ---------------------------------------------------------------- chunked == full logits
+
+Q, H, V, R = 24, 8, 40, 4
+
+
+def _random_inputs(seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    return (
+        jax.random.normal(ks[0], (Q, H)),
+        jax.random.normal(ks[1], (H, V)) * 0.8,
+        jax.random.normal(ks[2], (Q, H)),
+        jax.random.normal(ks[3], (H, V)) * 0.8,
+        jax.random.normal(ks[4], (Q, R)),
+        jax.random.normal(ks[5], (R, V)),
+    )
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    args = _random_inputs()
+    vals = jax.jit(lambda *a: naive_per_position_values(*a, terms=PER_POSITION_TERMS))(*args)
+    grads = jax.jit(jax.grad(_weighted_sum(naive_per_position_values), argnums=(0, 1, 4, 5)))(*args)
+    return args, vals, grads
+
+
+def _weighted_sum(fn, **kw):
+    # A different slot weighting per term, so every term's gradient is exercised.
+    def f(*args):
+        vals = fn(*args, terms=PER_POSITION_TERMS, **kw)
+        total = 0.0
+        for i, name in enumerate(PER_POSITION_TERMS):
+            total = total + jnp.sum(vals[name] * jnp.cos(jnp.arange(Q) * 0.3 + i))
+        return total
+
+    return f
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 24, 1000])
+def test_chunked_values_and_grads_match_full_logits(oracle, chunk_size):
+    args, want, want_grads = oracle
+    got = jax.jit(
+        lambda *a: per_position_values(*a, terms=PER_POSITION_TERMS, chunk_size=chunk_size)
+    )(*args)
+    assert set(got) == set(PER_POSITION_TERMS) | {"accept", "pred_ids", "target_ids"}
+    for name in (*PER_POSITION_TERMS, "accept"):
+        assert got[name].shape == (Q,) and got[name].dtype == jnp.float32, name
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    for name in ("pred_ids", "target_ids"):
+        assert got[name].dtype == jnp.int32
+        np.testing.assert_array_equal(got[name], want[name])
+    grads = jax.jit(
+        jax.grad(_weighted_sum(per_position_values, chunk_size=chunk_size), argnums=(0, 1, 4, 5))
+    )(*args)
+    for g, w, name in zip(
+        grads, want_grads, ("draft_hidden", "lm_head", "markov_feature", "markov_w2")
+    ):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_targets_get_no_gradient_and_markov_is_optional(oracle):
+    args, _, _ = oracle
+    h, w, th, wv, _, _ = args
+    g_th, g_wv = jax.jit(
+        jax.grad(
+            lambda th, wv: per_position_values(h, w, th, wv, terms=("kl_div",), chunk_size=7)[
+                "kl_div"
+            ].sum(),
+            argnums=(0, 1),
+        )
+    )(th, wv)
+    assert not np.any(g_th) and not np.any(g_wv)
+    got = jax.jit(lambda *a: per_position_values(*a, terms=("ce",), chunk_size=7))(h, w, th, wv)
+    want = jax.jit(lambda *a: naive_per_position_values(*a, terms=("ce",)))(h, w, th, wv)
+    np.testing.assert_allclose(got["ce"], want["ce"], rtol=1e-5, atol=1e-6)
+    assert set(got) == {"ce", "accept", "pred_ids", "target_ids"}
+
+
+def test_argmax_takes_first_max_on_ties():
+    logits = jnp.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 5.0]])
+    eye = jnp.eye(4)
+    got = per_position_values(logits, eye, logits, eye, terms=("ce",), chunk_size=2)
+    np.testing.assert_array_equal(got["target_ids"], [1, 0, 3])
+    np.testing.assert_array_equal(got["pred_ids"], [1, 0, 3])
+
+
+def test_bf16_inputs_accumulate_in_fp32(oracle):
+    args, _, _ = oracle
+    bf = [a.astype(jnp.bfloat16) for a in args]
+    got = jax.jit(lambda *a: per_position_values(*a, terms=("ce", "tv"), chunk_size=5))(*bf)
+    want = jax.jit(lambda *a: naive_per_position_values(*a, terms=("ce", "tv")))(
+        *[a.astype(jnp.float32) for a in bf]
+    )
+    assert got["ce"].dtype == jnp.float32
+    np.testing.assert_allclose(got["ce"], want["ce"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["tv"], want["tv"], rtol=1e-5, atol=1e-5)
+
+    # Backward matmuls run in bf16 (the cotangent is rounded, as in the bf16 reference);
+    # an fp32 master weight gets an fp32 gradient.
+    def total(fn, h, w, *rest):
+        vals = fn(h, w, *rest, terms=("ce", "tv"))
+        return jnp.sum(vals["ce"] + vals["tv"])
+
+    h, w = bf[0], args[1]  # bf16 activations, fp32 master lm_head
+    rest = bf[2:]
+    g_h, g_w = jax.jit(
+        jax.grad(lambda *a: total(partial(per_position_values, chunk_size=5), *a), argnums=(0, 1))
+    )(h, w, *rest)
+    assert g_h.dtype == jnp.bfloat16 and g_w.dtype == jnp.float32
+    want_h, want_w = jax.jit(
+        jax.grad(lambda *a: total(naive_per_position_values, *a), argnums=(0, 1))
+    )(
+        h.astype(jnp.float32),
+        w.astype(jnp.bfloat16).astype(jnp.float32),
+        *[a.astype(jnp.float32) for a in rest],
+    )
+    for g, want in ((g_h, want_h), (g_w, want_w)):
+        np.testing.assert_allclose(
+            g.astype(jnp.float32), want, atol=2e-2 * float(jnp.abs(want).max())
+        )
+
+
+def _avals(jaxpr):
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            yield v.aval
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if hasattr(sub, "eqns"):  # Jaxpr
+                    yield from _avals(sub)
+                elif hasattr(sub, "jaxpr") and hasattr(sub, "consts"):  # ClosedJaxpr
+                    yield from _avals(sub.jaxpr)
+
+
+def test_grad_program_never_builds_a_full_vocab_array():
+    q, v = 64, 48
+    ks = jax.random.split(jax.random.key(1), 6)
+    args = (
+        jax.random.normal(ks[0], (q, 4)),
+        jax.random.normal(ks[1], (4, v)),
+        jax.random.normal(ks[2], (q, 4)),
+        jax.random.normal(ks[3], (4, v)),
+        jax.random.normal(ks[4], (q, 2)),
+        jax.random.normal(ks[5], (2, v)),
+    )
+
+    def loss(h, w, th, wv, f, w2):
+        vals = per_position_values(h, w, th, wv, f, w2, terms=PER_POSITION_TERMS, chunk_size=16)
+        return dspark_loss(
+            vals, None, jnp.ones(q), block_size=8, loss_weights={"ce": 1.0, "tv": 1.0}
+        )[0]
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 4, 5)))(*args).jaxpr
+    sizes = [math.prod(a.shape) for a in _avals(jaxpr) if hasattr(a, "shape")]
+    assert max(sizes) == 16 * v  # one chunk of logits; never q * v
+    # bf16 activations with a frozen head: the head is neither upcast to fp32 for the
+    # backward matmul nor given a (discarded) [H, Vd] gradient.
+    bf = [a.astype(jnp.bfloat16) for a in args]
+    frozen = jax.jit(
+        jax.grad(
+            lambda h, w, th, wv, f, w2: loss(h, jax.lax.stop_gradient(w), th, wv, f, w2),
+            argnums=(0, 4, 5),
+        )
+    )
+    assert f"tensor<4x{v}xf32>" not in frozen.lower(*bf).as_text()
+    # Sanity: the oracle does build one.
+    naive = jax.make_jaxpr(
+        jax.grad(lambda *a: naive_per_position_values(*a, terms=("ce",))["ce"].sum())
+    )(*args).jaxpr
+    assert max(math.prod(a.shape) for a in _avals(naive) if hasattr(a, "shape")) == q * v
+
+
+def test_vmap_over_rows_matches_per_row(oracle):
+    args, _, _ = oracle
+    rows = [args, _random_inputs(seed=3)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *rows)
+    mask = jnp.ones((2, Q)).at[1, :8].set(0)
+    conf = jnp.linspace(-1, 1, 2 * Q).reshape(2, Q)
+
+    def row_loss(a, c, m):
+        vals = per_position_values(*a, terms=("ce", "tv"), chunk_size=5)
+        return dspark_loss(vals, c, m, block_size=8, loss_weights={"ce": 0.1, "tv": 0.9})
+
+    batched = jax.jit(jax.vmap(row_loss))(stacked, conf, mask)
+    for i, a in enumerate(rows):
+        single = jax.jit(row_loss)(a, conf[i], mask[i])
+        np.testing.assert_allclose(batched[0][i], single[0], rtol=1e-6)
+        for k in single[1]:
+            np.testing.assert_allclose(batched[1][k][i], single[1][k], rtol=1e-6, err_msg=k)
+
+
+# ---------------------------------------------------------------- weights and loss assembly
+
+
+def test_fixed_exp_decay_weights():
+    pos = jnp.array([0, 1, 2, 3, 0, 1, 2, 3])
+    np.testing.assert_allclose(
+        fixed_exp_decay_weights(pos, 2.0, True),
+        np.exp(-np.array([0, 1, 2, 3] * 2) / 2.0),
+        rtol=1e-7,
+    )
+    want = np.exp(-np.array([0, 0, 1, 2] * 2) / 2.0) * np.array([0, 1, 1, 1] * 2)
+    np.testing.assert_allclose(fixed_exp_decay_weights(pos, 2.0, False), want, rtol=1e-7)
+
+
+def test_dpace_weights_by_hand():
+    loss = jnp.array([0.5, 1.0, 2.0, 0.0, 0.3, 0.0, 0.7, 0.1])
+    mask = jnp.array([1, 1, 0, 1, 1, 0, 1, 1])
+    a = 0.5
+    w = np.asarray(dpace_weights(loss * mask, mask, 4, a))
+    for b in range(2):
+        lb, mb = (
+            np.asarray(loss[4 * b : 4 * b + 4]) * np.asarray(mask[4 * b : 4 * b + 4]),
+            np.asarray(mask[4 * b : 4 * b + 4]),
+        )
+        s = np.where(mb > 0, (1 - a) * np.exp(-lb) + a, 1.0)
+        p = np.cumprod(s)
+        want = mb * np.array([(p[k:] * mb[k:]).sum() for k in range(4)])
+        np.testing.assert_allclose(w[4 * b : 4 * b + 4], want, rtol=1e-6)
+    g = jax.grad(lambda x: dpace_weights(x, mask, 4, a).sum())(loss)
+    assert not np.any(g)
+    with pytest.raises(ValueError, match="divisible by block_size"):
+        dpace_weights(loss, mask, 3, a)
+
+
+def test_single_term_has_no_per_term_metrics_and_total_is_the_term(oracle):
+    args, _, _ = oracle
+    vals = jax.jit(lambda *a: per_position_values(*a, terms=("kl_div",), chunk_size=8))(*args)
+    mask = jnp.ones(Q)
+    loss, m = jax.jit(
+        lambda v: dspark_loss(v, None, mask, block_size=8, loss_weights={"kl_div": 1.0})
+    )(vals)
+    assert not any(k.startswith(("kl_div_loss", "confidence")) for k in m)
+    w = fixed_exp_decay_weights(jnp.arange(Q) % 8, 4.0, True)
+    np.testing.assert_allclose(loss, jnp.sum(vals["kl_div"] * w) / (Q + 1e-5), rtol=1e-6)
+    assert {f"position_{k}_acc_sum" for k in range(8)} <= set(m)
+    _, m = jax.eval_shape(
+        lambda v: dspark_loss(
+            v, None, mask, block_size=8, loss_weights={"kl_div": 1.0}, sample_from_anchor=False
+        ),
+        vals,
+    )
+    assert "position_0_acc_sum" not in m and "position_7_acc_sum" in m
+
+
+def test_dspark_loss_rejects_bad_arguments(oracle):
+    args, _, _ = oracle
+    vals = per_position_values(*args, terms=("ce",), chunk_size=8)
+    mask = jnp.ones(Q)
+    with pytest.raises(ValueError, match="lacks"):
+        dspark_loss(vals, None, mask, block_size=8, loss_weights={"tv": 1.0})
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        dspark_loss(vals, None, mask, block_size=5, loss_weights={"ce": 1.0})
+    with pytest.raises(ValueError, match="per_position_loss_weight"):
+        dspark_loss(
+            vals, None, mask, block_size=8, loss_weights={"ce": 1.0}, per_position_loss_weight="exp"
+        )
+    with pytest.raises(ValueError, match="Unknown loss term"):
+        per_position_values(*args, terms=("xent",))
+    with pytest.raises(ValueError, match="together"):
+        per_position_values(*args[:5], terms=("ce",))
+
+
+# ---------------------------------------------------------------- --loss-fn parsing
+
+
+def test_parse_loss_fn_accepts_names_and_json():
+    assert parse_loss_fn("kl_div") == {"kl_div": 1.0}
+    assert parse_loss_fn("lk_hybrid") == {"lk_hybrid": 1.0}
+    got = parse_loss_fn('{"tv": 0.9, "ce": 1}')
+    assert got == {"tv": 0.9, "ce": 1.0} and list(got) == ["tv", "ce"]
+    assert all(isinstance(w, float) for w in got.values())
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("xent", "Unknown loss function 'xent'. Pass a known name"),
+        ("{}", "non-empty JSON dict"),
+        ('["ce"]', "non-empty JSON dict"),
+        ('"ce"', "non-empty JSON dict"),
+        ('{"ce": 1, "bogus": 2}', "Unknown loss function 'bogus' in loss config"),
+        ('{"ce": "1"}', "Loss weight for 'ce' must be a number, got str"),
+        ('{"ce": null}', "must be a number, got NoneType"),
+    ],
+)
+def test_parse_loss_fn_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_loss_fn(spec)
