@@ -146,13 +146,19 @@ class DSparkDraftModel(nnx.Module):
         rope_blk = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta)
         rope_ctx = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
 
-        def run_layer(layer, x):
-            return layer(x, ctx, rope_blk, rope_ctx, anchors, row["document_ids"])
-
-        if self.remat:
-            run_layer = nnx.remat(run_layer)
         for layer in self.layers:
-            x = run_layer(layer, x)
+            # Pure split/merge + jax.checkpoint (not nnx.remat) so the model can be
+            # called under plain jax.vmap/jax.jit transforms of the caller.
+            graphdef, state = nnx.split(layer)
+
+            def run_layer(state, x, graphdef=graphdef):
+                return nnx.merge(graphdef, state)(
+                    x, ctx, rope_blk, rope_ctx, anchors, row["document_ids"]
+                )
+
+            if self.remat:
+                run_layer = jax.checkpoint(run_layer)
+            x = run_layer(state, x)
         hidden = self.norm(x).astype(self.dtype)  # [Q, H]
 
         hidden_blocks = hidden.reshape(num_blocks, b, -1)

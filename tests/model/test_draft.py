@@ -1,0 +1,165 @@
+"""The drafter's batch path: jit, rows mapped with their own anchors, memory shape
+contract of the compiled step, bf16 compute, and that training reduces the loss."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dspark_jax import anchors as anchor_ops
+from dspark_jax.config import DSparkConfig
+from dspark_jax.model.draft import (
+    DSparkDraftModel,
+    FrozenWeights,
+    LossSettings,
+    batch_loss,
+    row_loss,
+)
+
+
+def tiny_config(**kw) -> DSparkConfig:
+    fields = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        vocab_size=96,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=16,
+        block_size=4,
+        mask_token_id=95,
+        aux_hidden_state_layer_ids=(1, 2),
+        markov_rank=8,
+    )
+    fields.update(kw)
+    return DSparkConfig(**fields)
+
+
+def random_batch(rng, cfg: DSparkConfig, rows: int, seq: int) -> dict[str, jax.Array]:
+    h = cfg.hidden_size
+    docs = [seq // 2, seq // 3]
+    pos = np.concatenate([np.arange(n) for n in docs] + [np.zeros(seq - sum(docs), int)])
+    doc = np.concatenate([np.full(n, i) for i, n in enumerate(docs)] + [np.full(seq - sum(docs), -1)])
+    loss_mask = (rng.random((rows, seq)) < 0.7).astype(np.int32) * (doc >= 0)
+    return {
+        "hidden_states": jnp.asarray(rng.standard_normal((rows, seq, cfg.num_aux_layers * h)), jnp.float32),
+        "verifier_last_hidden_states": jnp.asarray(rng.standard_normal((rows, seq, h)), jnp.float32),
+        "input_ids": jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (rows, seq)), jnp.int32),
+        "loss_mask": jnp.asarray(loss_mask, jnp.int32),
+        "position_ids": jnp.asarray(np.tile(pos, (rows, 1)), jnp.int32),
+        "document_ids": jnp.asarray(np.tile(doc, (rows, 1)), jnp.int32),
+    }
+
+
+def random_frozen(rng, cfg: DSparkConfig) -> FrozenWeights:
+    h, vt, vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
+    head = jnp.asarray(rng.standard_normal((h, vd)) * 0.3, jnp.float32)
+    return FrozenWeights(
+        embed_tokens=jnp.asarray(rng.standard_normal((vt, h)), jnp.float32),
+        lm_head=head,
+        verifier_lm_head=head,
+        verifier_norm=jnp.ones((h,), jnp.float32),
+    )
+
+
+def test_batch_loss_is_the_mean_of_row_losses_with_per_row_anchors():
+    cfg = tiny_config()
+    rng = np.random.default_rng(0)
+    batch = random_batch(rng, cfg, rows=2, seq=40)
+    frozen = random_frozen(rng, cfg)
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    settings = LossSettings.from_loss_fn('{"ce":0.1,"tv":0.9}', num_anchors=6, vocab_chunk_tokens=8)
+    key = jax.random.key(3)
+
+    loss, metrics = nnx.jit(batch_loss, static_argnums=4)(model, frozen, batch, key, settings)
+
+    keys = jax.random.split(key, 2)
+    per_row = []
+    for r in range(2):
+        row = {k: v[r] for k, v in batch.items()}
+        anchors, valid = anchor_ops.select_anchors(keys[r], row["loss_mask"], 6, cfg.block_size)
+        per_row.append(row_loss(model, frozen, row, anchors, valid, settings))
+    np.testing.assert_allclose(loss, (per_row[0][0] + per_row[1][0]) / 2, rtol=1e-5)
+    for k in ("accept_rate_sum", "accept_len_total", "full_acc_sum", "eal_sum"):
+        np.testing.assert_allclose(metrics[k], per_row[0][1][k] + per_row[1][1][k], rtol=1e-5)
+    assert per_row[0][0] != per_row[1][0]  # rows differ, so the mean is a real check
+
+
+def _shapes_in(hlo: str) -> set[tuple[int, ...]]:
+    return {
+        tuple(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"(?:f32|bf16|f16|s32|pred)\[([0-9,]*)\]", hlo)
+    }
+
+
+def test_compiled_step_never_holds_row_sized_scores_or_logits():
+    # Distinct sizes so a [Q, S(+Q)] score matrix or a [Q, V] logit matrix would show
+    # up in the compiled HLO: Q = 32*4 = 128 slots, S = 1024, Vd = 640.
+    seq, num_anchors, vocab = 1024, 32, 640
+    cfg = tiny_config(vocab_size=vocab, mask_token_id=vocab - 1, sliding_window=64)
+    rng = np.random.default_rng(1)
+    batch = random_batch(rng, cfg, rows=1, seq=seq)
+    frozen = random_frozen(rng, cfg)
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    settings = LossSettings.from_loss_fn("kl_div", num_anchors=num_anchors, vocab_chunk_tokens=32)
+    graphdef, params = nnx.split(model)
+
+    def step(params, batch, key):
+        def f(p):
+            return batch_loss(nnx.merge(graphdef, p), frozen, batch, key, settings)[0]
+
+        return jax.value_and_grad(f)(params)
+
+    hlo = jax.jit(step).lower(params, batch, jax.random.key(0)).compile().as_text()
+    q = num_anchors * cfg.block_size
+    for shape in _shapes_in(hlo):
+        dims = set(shape)
+        assert not (q in dims and (dims & {seq, seq + q})), f"row-sized attention array {shape}"
+        assert not (q in dims and vocab in dims), f"row-sized logits {shape}"
+
+
+def test_bf16_compute_tracks_fp32():
+    cfg = tiny_config()
+    rng = np.random.default_rng(2)
+    batch = random_batch(rng, cfg, rows=1, seq=40)
+    frozen = random_frozen(rng, cfg)
+    settings = LossSettings.from_loss_fn("kl_div", num_anchors=6, vocab_chunk_tokens=8)
+    key = jax.random.key(0)
+    m32 = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    m16 = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    l32, _ = batch_loss(m32, frozen, batch, key, settings)
+    frozen16 = FrozenWeights(*(x.astype(jnp.bfloat16) for x in frozen))
+    l16, _ = batch_loss(m16, frozen16, batch, key, settings)
+    assert nnx.state(m16, nnx.Param)["fc"]["kernel"][...].dtype == jnp.float32  # fp32 master
+    np.testing.assert_allclose(l16, l32, rtol=3e-2)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_a_few_steps_reduce_the_loss(head):
+    cfg = tiny_config(markov_head_type=head)
+    rng = np.random.default_rng(4)
+    batch = random_batch(rng, cfg, rows=2, seq=40)
+    frozen = random_frozen(rng, cfg)
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    settings = LossSettings.from_loss_fn('{"ce":0.1,"tv":0.9}', num_anchors=6, vocab_chunk_tokens=8)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        def f(m):
+            return batch_loss(m, frozen, batch, jax.random.key(0), settings)
+
+        (loss, _), grads = nnx.value_and_grad(f, has_aux=True)(model)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, batch)) for _ in range(6)]
+    assert losses[-1] < losses[0] - 0.05, losses
