@@ -1,0 +1,188 @@
+"""Mesh, logical-axis rules and multi-host start-up: the only module that knows the mesh.
+
+Modules annotate parameters with logical axis names (``embed``, ``heads``, ...);
+``LOGICAL_RULES`` maps them to the mesh axes ``data``, ``fsdp``, ``tensor``. Rows of
+a batch split over ``(data, fsdp)``; weights shard over ``fsdp`` (ZeRO-3 style) and
+``tensor`` (heads, MLP width, vocabulary). One device, 8 simulated CPU devices and
+a TPU pod run the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# One rule per logical name (NNX semantics: a dict). None = replicated.
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "aux_embed": None,  # fc's input (n_aux * Ht); its output dim is already on fsdp
+    "markov": None,  # the Markov rank is small
+    "norm": None,
+}
+
+
+def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """``"data=2,fsdp=2,tensor=2"`` -> sizes of the three axes; one size may be -1 (the
+    rest of the devices). Default: all devices on fsdp."""
+    if spec is None or spec == "":
+        return {"data": 1, "fsdp": num_devices, "tensor": 1}
+    if isinstance(spec, str):
+        sizes: dict[str, int] = {}
+        for part in spec.split(","):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or name not in MESH_AXES:
+                raise ValueError(
+                    f"--mesh: bad entry {part!r}; expected e.g. 'data=2,fsdp=2,tensor=2' "
+                    f"with axes {MESH_AXES}"
+                )
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"--mesh: size of {name!r} must be an int, got {value!r}") from None
+    else:
+        sizes = dict(spec)
+    full = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+    fill = [a for a, n in full.items() if n == -1]
+    if len(fill) > 1:
+        raise ValueError(f"--mesh: at most one axis may be -1, got {fill}")
+    known = int(np.prod([n for n in full.values() if n != -1]))
+    if fill:
+        if known <= 0 or num_devices % known:
+            raise ValueError(f"--mesh: {num_devices} devices do not divide into {full}")
+        full[fill[0]] = num_devices // known
+    if any(n <= 0 for n in full.values()) or int(np.prod(list(full.values()))) != num_devices:
+        raise ValueError(
+            f"--mesh: axis sizes {full} multiply to {int(np.prod(list(full.values())))}, "
+            f"but there are {num_devices} devices"
+        )
+    return full
+
+
+def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> jax.sharding.Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh with Auto axis types (see JAX_PRACTICES §0)."""
+    devices = jax.devices() if devices is None else devices
+    sizes = parse_mesh(spec, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def _fit(spec: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
+    """Map logical names to mesh axes; a dim the axes do not divide stays replicated."""
+    out = []
+    for name, dim in zip(spec, shape, strict=True):
+        axes = LOGICAL_RULES.get(name) if name is not None else None
+        if name is not None and name not in LOGICAL_RULES:
+            raise ValueError(f"no sharding rule for logical axis {name!r}")
+        if axes is not None:
+            size = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+            if dim % size:
+                log.debug("dim %d not divisible by %s=%d: replicated", dim, axes, size)
+                axes = None
+        out.append(axes)
+    return P(*out)
+
+
+def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh):
+    """NamedShardings for every leaf of an nnx.State (params or optimizer state)
+    from the ``out_sharding`` logical names recorded on its Variables."""
+
+    def one(var):
+        names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
+        shape = tuple(var.shape) if hasattr(var, "shape") else ()
+        spec = _fit(tuple(names), shape, mesh) if names else P()
+        return var.replace(NamedSharding(mesh, spec)) if hasattr(var, "replace") else NamedSharding(mesh, spec)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def frozen_shardings(frozen, mesh: jax.sharding.Mesh):
+    """Shardings of FrozenWeights (embedding [Vt, H], heads [H, Vd], norm [H]), by the
+    same rules as the parameters."""
+    logical = {
+        "embed_tokens": ("vocab", "embed"),
+        "lm_head": ("embed", "vocab"),
+        "verifier_lm_head": ("embed", "vocab"),
+        "verifier_norm": ("norm",),
+    }
+    return type(frozen)(
+        **{
+            name: NamedSharding(mesh, _fit(logical[name], tuple(getattr(frozen, name).shape), mesh))
+            for name in frozen._fields
+        }
+    )
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
+    """Rows over (data, fsdp), everything else replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def rows_per_step(mesh: jax.sharding.Mesh, rows_per_replica: int = 1) -> int:
+    """Global rows per step: one packed row per data-parallel replica, like the reference."""
+    return rows_per_replica * mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def global_batch(local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays sharded over (data, fsdp) (multi-host safe)."""
+    out = {}
+    n = jax.process_count()
+    for k, v in local.items():
+        sharding = batch_sharding(mesh, v.ndim)
+        global_shape = (v.shape[0] * n, *v.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
+    return out
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Start jax.distributed when launched as several processes; returns True if it did.
+
+    Explicit arguments win; otherwise JAX's own cluster detection (Cloud TPU pods,
+    Slurm, JAX_COORDINATOR_ADDRESS) is used when the environment names one. A plain
+    single-process run does nothing.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    explicit = coordinator_address is not None
+    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
+    tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ and "," in os.environ["TPU_WORKER_HOSTNAMES"]
+    env = "JAX_COORDINATOR_ADDRESS" in os.environ
+    if not (explicit or slurm or tpu_pod or env):
+        return False
+    kwargs = {}
+    if explicit:
+        kwargs = dict(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+    jax.distributed.initialize(**kwargs)
+    log.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+    return True
