@@ -200,6 +200,15 @@ def check_row(row: dict[str, jax.Array], cfg: DSparkConfig) -> None:
                 f"row[{name!r}]: expected shape {shape} (from input_ids length {seq_len} and "
                 f"the config's aux layers/hidden size), got {got}"
             )
+    for name in ROW_KEYS:
+        dtype = jnp.dtype(row[name].dtype)
+        floating = name in ("hidden_states", "verifier_last_hidden_states")
+        ok = jnp.issubdtype(dtype, jnp.floating) if floating else (
+            jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_
+        )
+        if not ok:
+            kind = "a floating" if floating else "an integer"
+            raise ValueError(f"row[{name!r}]: expected {kind} dtype, got {dtype}")
 
 
 def target_hidden(

@@ -221,6 +221,8 @@ def test_config_mismatch_raises_with_field_and_shapes():
     anchors = jnp.zeros(4, jnp.int32)
     with pytest.raises(ValueError, match=r"row\['hidden_states'\]: expected shape \(48, 64\).*got \(48, 32\)"):
         model(bad, anchors, FrozenWeights(*frozen))
+    with pytest.raises(ValueError, match=r"row\['input_ids'\]: expected an integer dtype, got float32"):
+        model(dict(row, input_ids=row["input_ids"].astype(np.float32)), anchors, FrozenWeights(*frozen))
     wrong = dataclasses.replace(cfg, draft_vocab_size=40)
     with pytest.raises(ValueError, match=r"FrozenWeights.lm_head: expected shape \(32, 40\), got \(32, 64\)"):
         FrozenWeights(*frozen).check(wrong)
