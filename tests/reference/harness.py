@@ -52,7 +52,7 @@ def build_reference_model(
     from speculators.models.dspark import DSparkDraftModel as RefModel
 
     model = RefModel(reference_config(cfg)).float()
-    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in to_speculators(params).items()}
+    sd = {k: torch.from_numpy(np.array(v)) for k, v in to_speculators(params).items()}
     sd["embed_tokens.weight"] = torch.from_numpy(np.asarray(frozen.embed_tokens))
     sd["lm_head.weight"] = torch.from_numpy(np.asarray(frozen.lm_head).T.copy())
     sd["verifier_lm_head.weight"] = torch.from_numpy(np.asarray(frozen.verifier_lm_head).T.copy())
