@@ -42,16 +42,26 @@ def to_speculators(params: nnx.State) -> dict[str, np.ndarray]:
     return out
 
 
-def from_speculators(tensors: Mapping[str, np.ndarray], params: nnx.State) -> nnx.State:
+def from_speculators(
+    tensors: Mapping[str, np.ndarray],
+    params: nnx.State,
+    *,
+    keep_missing: tuple[str, ...] = (),
+) -> nnx.State:
     """Fill ``params`` (a state of the right structure) from speculators tensors.
 
     Raises naming the key on a missing tensor or a shape mismatch; extra tensors
-    are left to the caller to judge (the converter's check does).
+    are left to the caller to judge (the converter's check does). Parameters whose
+    key starts with one of ``keep_missing`` may be absent from ``tensors``: they keep
+    their value in ``params`` (a warm start's freshly initialised heads).
     """
     flat = nnx.to_flat_state(params)
     updates = []
     for path, var in flat:
         key, transpose = speculators_key(path)
+        if keep_missing and key not in tensors and key.startswith(keep_missing):
+            updates.append((path, var))
+            continue
         if key not in tensors:
             raise KeyError(f"missing tensor {key!r} (for parameter {'/'.join(map(str, path))})")
         value = np.asarray(tensors[key])

@@ -33,6 +33,8 @@ class DSparkConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
+    # Not used by the math (default RoPE); vLLM's draft layers read it from config.json.
+    max_position_embeddings: int = 32768
     # DSpark / DFlash fields.
     block_size: int = 8
     mask_token_id: int | None = None
@@ -70,6 +72,7 @@ class DSparkConfig:
             "vocab_size",
             "block_size",
             "draft_vocab_size",
+            "max_position_embeddings",
         )
         for name in positive:
             value = getattr(self, name)
@@ -185,6 +188,7 @@ class DSparkConfig:
             "sliding_window": self.sliding_window,
             "use_sliding_window": "sliding_attention" in layer_types,
             "max_window_layers": self.num_hidden_layers,
+            "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "attention_bias": self.attention_bias,
@@ -325,4 +329,5 @@ def decoder_fields_from_qwen3(tl: dict[str, Any], source: str = "draft config") 
         rope_theta=float(theta),
         rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
         attention_bias=bool(tl.get("attention_bias", False)),
+        max_position_embeddings=int(tl.get("max_position_embeddings") or 32768),
     )

@@ -1,0 +1,572 @@
+"""Does a folder hold a DSpark drafter that vLLM 0.33 (``--spec-method dspark``) loads
+as trained? (``python -m converters check FOLDER``)
+
+vLLM fails late or not at all on a bad drafter folder: a missing tensor stays
+uninitialised, a missing config field falls back to a default that differs from
+speculators' (``sample_from_anchor``, ``enable_confidence_head``,
+``confidence_head_with_markov`` all default to False there, True here). This check
+makes every such case an error naming the field or tensor. What it mirrors, in
+vLLM (upstream main of 2026-08, the code that ships as 0.33):
+
+* ``vllm/transformers_utils/config.py``: a folder is read as speculators format only
+  when config.json has no top-level ``model_type`` and a non-null
+  ``speculators_config``; ``configs/speculators/base.py`` then requires
+  ``speculators_config.proposal_methods[0].speculative_tokens``,
+  ``speculators_config.verifier.name_or_path`` and a ``transformer_layer_config``
+  object, which becomes the draft's HF config as is (no Qwen3 defaults: every
+  field the layers read must be there).
+* ``configs/speculators/algos.py::update_dspark``: ``aux_hidden_state_layer_ids``
+  is indexed (required); ``sample_from_anchor`` defaults to False; ``markov_rank``,
+  ``mask_token_id``, ``block_size``, confidence flags are copied only when present;
+  ``sliding_window_non_causal`` is not forwarded (sliding layers run causal,
+  ``qwen3_dflash.py::_dflash_layer_causal``).
+* ``model_executor/models/qwen3_dspark.py``: the Markov head is always built
+  (``markov_w1`` [vocab_size, r], ``markov_w2`` [draft_vocab_size, r], vanilla
+  only), the confidence head ``proj`` [1, H(+r)] + bias when enabled; ``d2t`` is
+  renamed ``draft_id_to_target_id``, ``t2d`` skipped; ``lm_head`` [Vd, H] is the
+  checkpoint's own when present, else the target's. ``AutoWeightsLoader`` raises on
+  any unexpected key except ``*.bias`` (silently dropped) and never reports a
+  missing one. ``qwen3_dflash.py``: ``fc`` is [H, n_aux * (target_hidden_size or
+  H)], q/k/v/o and MLP as Qwen3, stacked on load.
+
+``target="speculators"`` checks only what speculators 0.9.0 needs to load the
+folder (``from_pretrained``): gated/rnn heads and non-causal sliding layers are
+fine there, ``target_hidden_size`` != hidden_size is not (its ``fc`` ignores it).
+
+numpy + safetensors only (no JAX, no torch): the check is cheap to run anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors reads BF16)
+import numpy as np
+from safetensors import safe_open
+
+from dspark_jax.config import DSparkConfig
+
+TARGETS = ("vllm", "speculators")
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+# Frozen verifier tensors: never part of a drafter folder.
+FROZEN_KEYS = {
+    "embed_tokens.weight": "the verifier's embedding (frozen, shared from the target)",
+    "verifier_lm_head.weight": "the verifier head used for training targets (frozen)",
+    "verifier_norm.weight": "the verifier's final norm used for training targets (frozen)",
+}
+
+
+@dataclasses.dataclass
+class CheckReport:
+    folder: Path
+    target: str
+    errors: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    config: DSparkConfig | None = None  # parsed config, when it parses
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def format(self) -> str:
+        head = f"{self.folder}: {'OK' if self.ok else 'FAILED'} (target {self.target})"
+        lines = [head]
+        lines += [f"  error: {e}" for e in self.errors]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+class CheckError(ValueError):
+    """A folder failed the check; ``report`` has every problem found."""
+
+    def __init__(self, report: CheckReport):
+        super().__init__(report.format())
+        self.report = report
+
+
+# ---------------------------------------------------------------- the key table
+def expected_tensors(cfg: DSparkConfig, target: str = "speculators") -> dict[str, tuple]:
+    """``{key: (shape, dtype kind)}`` of a drafter folder, torch layout.
+
+    kind: ``"float"``, ``"int64"`` or ``"bool"``. ``target="speculators"``: what
+    speculators 0.9.0's ``save_pretrained`` writes (every trained tensor, plus
+    ``lm_head``/``d2t``/``t2d`` for a reduced draft vocab). ``target="vllm"``: what
+    vLLM's Qwen3DSpark loader accepts (no gated/rnn head tensors; ``t2d`` optional,
+    see :func:`optional_tensors`).
+    """
+    h, r = cfg.hidden_size, cfg.markov_rank
+    nh, nkv, hd, inter = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    vt, vd = cfg.vocab_size, cfg.draft_vocab_size
+    f = "float"
+    out: dict[str, tuple] = {
+        "fc.weight": ((h, cfg.num_aux_layers * cfg.verifier_hidden_size), f),
+        "hidden_norm.weight": ((h,), f),
+        "norm.weight": ((h,), f),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        out.update(
+            {
+                p + "input_layernorm.weight": ((h,), f),
+                p + "post_attention_layernorm.weight": ((h,), f),
+                p + "self_attn.q_proj.weight": ((nh * hd, h), f),
+                p + "self_attn.k_proj.weight": ((nkv * hd, h), f),
+                p + "self_attn.v_proj.weight": ((nkv * hd, h), f),
+                p + "self_attn.o_proj.weight": ((h, nh * hd), f),
+                p + "self_attn.q_norm.weight": ((hd,), f),
+                p + "self_attn.k_norm.weight": ((hd,), f),
+                p + "mlp.gate_proj.weight": ((inter, h), f),
+                p + "mlp.up_proj.weight": ((inter, h), f),
+                p + "mlp.down_proj.weight": ((h, inter), f),
+            }
+        )
+        if cfg.attention_bias:
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": ((nh * hd,), f),
+                    p + "self_attn.k_proj.bias": ((nkv * hd,), f),
+                    p + "self_attn.v_proj.bias": ((nkv * hd,), f),
+                    p + "self_attn.o_proj.bias": ((h,), f),
+                }
+            )
+    if r > 0:
+        out["markov_head.markov_w1.weight"] = ((vt, r), f)
+        out["markov_head.markov_w2.weight"] = ((vd, r), f)
+        if target == "speculators" and cfg.markov_head_type == "gated":
+            out["markov_head.gate_proj.weight"] = ((r, h + r), f)
+            out["markov_head.gate_proj.bias"] = ((r,), f)
+        if target == "speculators" and cfg.markov_head_type == "rnn":
+            out["markov_head.joint_proj.weight"] = ((3 * r, 2 * r + h), f)
+            out["markov_head.joint_proj.bias"] = ((3 * r,), f)
+    if cfg.enable_confidence_head:
+        extra = r if cfg.confidence_head_with_markov else 0
+        out["confidence_head.proj.weight"] = ((1, h + extra), f)
+        out["confidence_head.proj.bias"] = ((1,), f)
+    if cfg.uses_draft_vocab:
+        out["lm_head.weight"] = ((vd, h), f)
+        out["d2t"] = ((vd,), "int64")
+        out["t2d"] = ((vt,), "bool")
+    return out
+
+
+def optional_tensors(cfg: DSparkConfig, target: str) -> set[str]:
+    """Keys a loader accepts but does not need (vLLM skips ``t2d``)."""
+    return {"t2d"} if target == "vllm" and cfg.uses_draft_vocab else set()
+
+
+# ---------------------------------------------------------------- config checks
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+class _Checker:
+    def __init__(self, report: CheckReport):
+        self.r = report
+
+    def err(self, msg: str) -> None:
+        self.r.errors.append(msg)
+
+    def warn(self, msg: str) -> None:
+        self.r.warnings.append(msg)
+
+    def field(
+        self, d: dict, name: str, kind: str, where: str, *, required: bool = True, why: str = ""
+    ) -> Any:
+        """Check presence and type of ``d[name]``; returns the value (None if bad)."""
+        if name not in d or (d[name] is None and kind != "int|null"):
+            if required:
+                self.err(f"config.json: {where}{name!r} is missing{why}")
+            return None
+        v = d[name]
+        ok = {
+            "int": _is_int(v),
+            "int|null": v is None or _is_int(v),
+            "bool": isinstance(v, bool),
+            "num": _is_num(v),
+            "str": isinstance(v, str),
+            "dict": isinstance(v, dict),
+            "list[int]": isinstance(v, list) and all(_is_int(i) for i in v),
+        }[kind]
+        if not ok:
+            self.err(f"config.json: {where}{name!r} must be {kind}, got {v!r}")
+            return None
+        return v
+
+
+def _check_config(d: dict, c: _Checker, target: str) -> None:
+    vllm = target == "vllm"
+    if "model_type" in d:
+        c.err(
+            f"config.json: top-level 'model_type' ({d['model_type']!r}) must be absent: vLLM "
+            "reads a folder as speculators format only without it (and then takes "
+            "transformer_layer_config as the draft config)"
+        )
+    algo = d.get("speculators_model_type")
+    if algo != "dspark":
+        c.err(f"config.json: 'speculators_model_type' must be 'dspark', got {algo!r}")
+    # speculators_config: vLLM requires it non-null with these entries.
+    sc = c.field(d, "speculators_config", "dict", "")
+    spec_tokens = None
+    if sc is not None:
+        if sc.get("algorithm") not in (None, "dspark"):
+            c.err(
+                f"config.json: speculators_config.algorithm must be 'dspark', got "
+                f"{sc.get('algorithm')!r}"
+            )
+        methods = sc.get("proposal_methods")
+        if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+            c.err(
+                "config.json: speculators_config.proposal_methods must be a non-empty list "
+                "of objects (vLLM reads proposal_methods[0].speculative_tokens)"
+            )
+        else:
+            spec_tokens = c.field(
+                methods[0], "speculative_tokens", "int", "speculators_config.proposal_methods[0]."
+            )
+        verifier = sc.get("verifier")
+        if not isinstance(verifier, dict) or "name_or_path" not in verifier:
+            c.err(
+                "config.json: speculators_config.verifier.name_or_path is missing "
+                "(vLLM rejects the config without the key)"
+            )
+        elif not isinstance(verifier["name_or_path"], str):
+            c.warn(
+                "config.json: speculators_config.verifier.name_or_path is not set: "
+                "`vllm serve <folder>` cannot find the verifier and speculators "
+                "from_pretrained loads no verifier weights (pass the verifier name)"
+            )
+    # transformer_layer_config: becomes the draft HF config verbatim in vLLM.
+    tl = c.field(d, "transformer_layer_config", "dict", "")
+    if tl is not None:
+        w = "transformer_layer_config."
+        if tl.get("model_type") != "qwen3":
+            c.err(f"config.json: {w}model_type must be 'qwen3', got {tl.get('model_type')!r}")
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",  # optional: vLLM and DSparkConfig both default it to H / heads
+            "num_hidden_layers",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            v = c.field(tl, name, "int", w, required=name != "head_dim")
+            if v is not None and v <= 0:
+                c.err(f"config.json: {w}{name} must be positive, got {v}")
+        c.field(tl, "rms_norm_eps", "num", w)
+        act = c.field(tl, "hidden_act", "str", w)
+        if act is not None and act != "silu":
+            c.err(f"config.json: {w}hidden_act must be 'silu' (Qwen3 MLP), got {act!r}")
+        rope = tl.get("rope_parameters")
+        if not isinstance(rope, dict) or not _is_num(rope.get("rope_theta")):
+            c.err(
+                f"config.json: {w}rope_parameters.rope_theta is missing (vLLM would "
+                f"default it to 1e6), got rope_parameters={rope!r}"
+            )
+        elif rope.get("rope_type", "default") != "default":
+            c.err(
+                f"config.json: {w}rope_parameters.rope_type {rope.get('rope_type')!r} is "
+                "not supported (only 'default' RoPE is trained here)"
+            )
+        if "attention_bias" in tl:
+            c.field(tl, "attention_bias", "bool", w)
+        layer_types = tl.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list) or any(
+                t not in ("full_attention", "sliding_attention") for t in layer_types
+            ):
+                c.err(
+                    f"config.json: {w}layer_types must list 'full_attention' / "
+                    f"'sliding_attention', got {layer_types!r}"
+                )
+            elif (
+                _is_int(tl.get("num_hidden_layers")) and len(layer_types) != tl["num_hidden_layers"]
+            ):
+                c.err(
+                    f"config.json: {w}layer_types has {len(layer_types)} entries, "
+                    f"num_hidden_layers is {tl['num_hidden_layers']}"
+                )
+            elif "sliding_attention" in layer_types:
+                sw = c.field(
+                    tl,
+                    "sliding_window",
+                    "int",
+                    w,
+                    why=" (layer_types has sliding_attention layers)",
+                )
+                if sw is not None and sw <= 0:
+                    c.err(f"config.json: {w}sliding_window must be positive, got {sw}")
+                if d.get("sliding_window_non_causal") is True and vllm:
+                    c.err(
+                        "config.json: sliding_window_non_causal=true is not served by vLLM: "
+                        "its DSpark loader runs sliding_attention layers causal inside the "
+                        "block (the drafter was trained bidirectional there)"
+                    )
+        if tl.get("tie_word_embeddings"):
+            c.err(f"config.json: {w}tie_word_embeddings must be false")
+    # DSpark fields (speculators defaults differ from vLLM's: require them explicitly).
+    aux = c.field(
+        d, "aux_hidden_state_layer_ids", "list[int]", "", why=" (vLLM indexes it: KeyError)"
+    )
+    if aux is not None and (not aux or len(set(aux)) != len(aux) or min(aux) < 0):
+        c.err(
+            f"config.json: 'aux_hidden_state_layer_ids' must be distinct non-negative ints, "
+            f"got {aux}"
+        )
+    block = c.field(d, "block_size", "int", "")
+    if block is not None and block < 1:
+        c.err(f"config.json: 'block_size' must be >= 1, got {block}")
+    sfa = c.field(
+        d,
+        "sample_from_anchor",
+        "bool",
+        "",
+        why=" (vLLM reads a missing value as False, speculators DSpark as True)",
+    )
+    mask = c.field(d, "mask_token_id", "int", "", why=" (vLLM fills the block's slots with it)")
+    vt = tl.get("vocab_size") if isinstance(tl, dict) and _is_int(tl.get("vocab_size")) else None
+    if mask is not None and vt is not None and not 0 <= mask < vt:
+        c.err(f"config.json: 'mask_token_id' {mask} is outside [0, vocab_size={vt})")
+    vd = c.field(d, "draft_vocab_size", "int", "")
+    if vd is not None and vt is not None and not 0 < vd <= vt:
+        c.err(f"config.json: 'draft_vocab_size' {vd} must be in [1, vocab_size={vt}]")
+    rank = c.field(
+        d,
+        "markov_rank",
+        "int",
+        "",
+        why=" (vLLM's Qwen3DSpark builds its Markov head from it: AttributeError)",
+    )
+    if rank is not None and (rank < 0 or (vllm and rank == 0)):
+        c.err(
+            f"config.json: 'markov_rank' must be {'> 0 for vLLM' if vllm else '>= 0'}, got {rank}"
+        )
+    head = c.field(d, "markov_head_type", "str", "")
+    if head is not None and head not in ("vanilla", "gated", "rnn"):
+        c.err(f"config.json: 'markov_head_type' must be vanilla/gated/rnn, got {head!r}")
+    elif head is not None and head != "vanilla" and vllm:
+        c.err(
+            f"config.json: markov_head_type={head!r} is not servable by vLLM: its Qwen3DSpark "
+            "has only the vanilla Markov head, and the extra head tensors are a hard load "
+            "error (use --target speculators to export for speculators only)"
+        )
+    conf = c.field(
+        d,
+        "enable_confidence_head",
+        "bool",
+        "",
+        why=" (vLLM reads a missing value as False, speculators as True)",
+    )
+    with_markov = c.field(
+        d,
+        "confidence_head_with_markov",
+        "bool",
+        "",
+        why=" (vLLM reads a missing value as False, speculators as True)",
+    )
+    if conf and with_markov and rank == 0:
+        c.err("config.json: confidence_head_with_markov=true needs markov_rank > 0")
+    c.field(d, "sliding_window_non_causal", "bool", "", required=False)
+    ths = c.field(d, "target_hidden_size", "int|null", "", required=False)
+    if ths is not None and not vllm and isinstance(tl, dict) and ths != tl.get("hidden_size"):
+        c.err(
+            f"config.json: target_hidden_size={ths} != hidden_size: speculators 0.9.0 "
+            "sizes fc from hidden_size and cannot load this drafter"
+        )
+    if d.get("tie_word_embeddings"):
+        c.err("config.json: 'tie_word_embeddings' must be false")
+    dtype = c.field(d, "dtype", "str", "", required=False)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        c.err(f"config.json: 'dtype' must be one of {sorted(FLOAT_DTYPES)}, got {dtype!r}")
+    elif "dtype" not in d:
+        c.warn("config.json: no 'dtype' (speculators 0.9.0 writes it)")
+    if block is not None and sfa is not None and spec_tokens is not None:
+        want = block if sfa else block - 1
+        if spec_tokens != want:
+            c.err(
+                f"config.json: speculators_config.proposal_methods[0].speculative_tokens is "
+                f"{spec_tokens}, but block_size={block} with sample_from_anchor={sfa} drafts "
+                f"{want} tokens (block_size if sample_from_anchor else block_size - 1)"
+            )
+
+
+# ---------------------------------------------------------------- tensor checks
+def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files a loader reads (all of ``*.safetensors`` unless an index
+    lists them, as vLLM does), and the index weight map if any."""
+    index = folder / INDEX_FILE
+    if index.exists():
+        try:
+            wmap = dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{index}: no valid weight_map ({e})") from None
+        return sorted({folder / f for f in wmap.values()}), wmap
+    return sorted(folder.glob("*.safetensors")), None
+
+
+def tensor_headers(folder: Path, c: _Checker | None = None) -> dict[str, tuple[tuple, str, Path]]:
+    """``{key: (shape, safetensors dtype, file)}`` over every weight file of ``folder``."""
+    try:
+        files, wmap = weight_files(folder)
+    except ValueError as e:
+        if c is None:
+            raise
+        c.err(str(e))
+        return {}
+    out: dict[str, tuple[tuple, str, Path]] = {}
+    for path in files:
+        if not path.exists():
+            if c:
+                c.err(f"{INDEX_FILE} lists {path.name}, which does not exist")
+            continue
+        with safe_open(path, "np") as f:
+            meta = f.metadata() or {}
+            if c and meta.get("format") != "pt":
+                c.err(
+                    f"{path.name}: safetensors metadata format must be 'pt' (HF/speculators "
+                    f"from_pretrained needs it), got {meta.get('format')!r}"
+                )
+            for key in f.keys():
+                sl = f.get_slice(key)
+                if key in out and c:
+                    c.err(f"tensor {key!r} is in both {out[key][2].name} and {path.name}")
+                if wmap is not None and wmap.get(key) != path.name and c:
+                    c.err(
+                        f"{path.name}: tensor {key!r} is not listed for this file in {INDEX_FILE}"
+                    )
+                out[key] = (tuple(sl.get_shape()), sl.get_dtype(), path)
+    return out
+
+
+def _unexpected_reason(key: str, cfg: DSparkConfig, target: str) -> str:
+    if key in FROZEN_KEYS:
+        return f"{FROZEN_KEYS[key]}; never saved with the drafter"
+    if key.startswith(("markov_head.gate_proj", "markov_head.joint_proj")):
+        return (
+            f"a {cfg.markov_head_type!r}-head tensor; vLLM's Qwen3DSpark has only the vanilla "
+            "Markov head (hard load error)"
+            if target == "vllm"
+            else f"not part of a {cfg.markov_head_type!r} head"
+        )
+    if key in ("lm_head.weight", "d2t", "t2d") and not cfg.uses_draft_vocab:
+        return "only saved when draft_vocab_size < vocab_size"
+    if key.startswith("confidence_head.") and not cfg.enable_confidence_head:
+        return "the config has enable_confidence_head=false"
+    if key.endswith(".bias"):
+        return (
+            "not declared by the config (vLLM silently drops unexpected biases, so the "
+            "served model would differ)"
+        )
+    return "vLLM raises on unexpected weights" if target == "vllm" else "not a DSpark tensor"
+
+
+def _check_tensors(
+    folder: Path, cfg: DSparkConfig, c: _Checker, target: str, config_dtype: str | None
+) -> None:
+    headers = tensor_headers(folder, c)
+    if not headers:
+        c.err(f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE} (or any *.safetensors)")
+        return
+    expected = expected_tensors(cfg, target)
+    optional = optional_tensors(cfg, target)
+    want_float = FLOAT_DTYPES.get(config_dtype)
+    for key, (shape, kind) in expected.items():
+        if key not in headers:
+            if key in optional:
+                continue
+            c.err(
+                f"missing tensor {key!r} {list(shape)}: vLLM would leave it uninitialised"
+                if target == "vllm"
+                else f"missing tensor {key!r} {list(shape)}"
+            )
+            continue
+        got_shape, got_dtype, path = headers[key]
+        if got_shape != shape:
+            c.err(f"tensor {key!r} has shape {list(got_shape)}, expected {list(shape)}")
+        if kind == "float" and got_dtype not in FLOAT_DTYPES.values():
+            c.err(f"tensor {key!r} has dtype {got_dtype}, expected a float (BF16/F32/F16)")
+        elif kind == "float" and want_float and got_dtype != want_float:
+            c.warn(f"tensor {key!r} is {got_dtype}, config.json says dtype {want_float}")
+        elif kind == "int64" and got_dtype != "I64":
+            c.err(f"tensor {key!r} has dtype {got_dtype}, expected I64")
+        elif kind == "bool" and got_dtype != "BOOL":
+            c.err(f"tensor {key!r} has dtype {got_dtype}, expected BOOL")
+    for key in sorted(set(headers) - set(expected)):
+        c.err(
+            f"unexpected tensor {key!r} {list(headers[key][0])}: "
+            f"{_unexpected_reason(key, cfg, target)}"
+        )
+    if c.r.errors:
+        return
+    # Values: finite floats, consistent vocab maps.
+    vocab: dict[str, np.ndarray] = {}
+    for key, (_, _, path) in headers.items():
+        with safe_open(path, "np") as f:
+            value = f.get_tensor(key)
+        if key in ("d2t", "t2d"):
+            vocab[key] = value
+        elif not np.isfinite(value.astype(np.float32)).all():
+            c.err(f"tensor {key!r} has non-finite values (NaN/inf)")
+    if "d2t" in vocab:
+        ids = vocab["d2t"].astype(np.int64) + np.arange(len(vocab["d2t"]))
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size or np.any(np.diff(ids) <= 0):
+            c.err(
+                f"tensor 'd2t': draft_id + d2t must be increasing verifier ids in "
+                f"[0, {cfg.vocab_size})"
+            )
+        elif "t2d" in vocab and not np.array_equal(ids, np.flatnonzero(vocab["t2d"])):
+            c.err(
+                "tensors 'd2t' and 't2d' disagree (draft_id + d2t must list the True "
+                "entries of t2d in order)"
+            )
+
+
+# ---------------------------------------------------------------- entry point
+def check_folder(folder: str | os.PathLike, target: str = "vllm") -> CheckReport:
+    """Validate a drafter folder; every problem found is in the report's errors."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    folder = Path(folder)
+    report = CheckReport(folder=folder, target=target)
+    c = _Checker(report)
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.exists():
+        c.err(f"no {CONFIG_FILE}")
+        return report
+    try:
+        d = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        c.err(f"{CONFIG_FILE} is not valid JSON ({e})")
+        return report
+    if not isinstance(d, dict):
+        c.err(f"{CONFIG_FILE} is not a JSON object")
+        return report
+    _check_config(d, c, target)
+    try:
+        report.config = DSparkConfig.from_speculators_dict(d, source=str(cfg_path))
+    except (ValueError, TypeError, KeyError) as e:
+        if not report.errors:
+            c.err(str(e))
+    if report.errors:
+        c.warn("tensors not checked (fix config.json first)")
+        return report
+    _check_tensors(folder, report.config, c, target, d.get("dtype"))
+    return report

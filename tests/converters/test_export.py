@@ -1,0 +1,131 @@
+"""converters.export: Orbax checkpoint -> speculators/vLLM folder."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from converters import orbax_io
+from converters.__main__ import main
+from converters.export import ExportError, export_checkpoint, export_params
+from converters.keys import to_speculators
+from dspark_jax.verifier import load_verifier_tensors
+from tests.converters.helpers import base_config, make_vocab, random_params, write_verifier
+
+
+def read(folder):
+    with safe_open(folder / "model.safetensors", "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_config_and_tensors(tmp_path):
+    cfg = base_config(verifier_name_or_path="old/name")
+    params = random_params(cfg, seed=3)
+    orbax_io.save_params_checkpoint(tmp_path / "ck", 100, cfg, params)
+    report, step = export_checkpoint(
+        tmp_path / "ck",
+        tmp_path / "out",
+        verifier_name_or_path="moonshotai/Kimi-K3",
+        verifier_architectures=["KimiK3ForCausalLM"],
+    )
+    assert step == 100 and report.ok and report.warnings == []
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    want = cfg.replace(
+        verifier_name_or_path="moonshotai/Kimi-K3", verifier_architectures=("KimiK3ForCausalLM",)
+    ).to_speculators_dict()
+    assert config == want
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert config["transformer_layer_config"]["max_position_embeddings"] == 32768
+    tensors = read(tmp_path / "out")
+    ref = to_speculators(params)
+    assert set(tensors) == set(ref)
+    for k, v in ref.items():
+        assert tensors[k].dtype == ml_dtypes.bfloat16, k
+        np.testing.assert_array_equal(tensors[k], v.astype(ml_dtypes.bfloat16), err_msg=k)
+    # Torch layout: Linear kernels [in, out] are written [out, in].
+    kernel = np.asarray(params["layers"][1]["self_attn"]["o_proj"]["kernel"][...])
+    np.testing.assert_array_equal(
+        tensors["layers.1.self_attn.o_proj.weight"], kernel.T.astype(ml_dtypes.bfloat16)
+    )
+
+
+def test_float32_export_is_exact(tmp_path):
+    cfg = base_config()
+    params = random_params(cfg)
+    export_params(cfg, params, tmp_path / "out", dtype="float32", verifier_name_or_path="v")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    tensors = read(tmp_path / "out")
+    for k, v in to_speculators(params).items():
+        np.testing.assert_array_equal(tensors[k], v, err_msg=k)
+
+
+def test_reduced_vocab_writes_verifier_head_rows_and_maps(tmp_path):
+    cfg = base_config(draft_vocab_size=40)
+    verifier = write_verifier(tmp_path / "verifier", cfg)
+    d2t, t2d = make_vocab(cfg)
+    orbax_io.save_params_checkpoint(tmp_path / "ck", 1, cfg, random_params(cfg))
+    with pytest.raises(orbax_io.CheckpointError, match=r"not found: .*d2t-40\.npy"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "out", verifier_path=verifier)
+    orbax_io.save_checkpoint_vocab_maps(tmp_path / "ck", cfg, d2t, t2d)
+    with pytest.raises(ExportError, match=r"needs lm_head\.weight, the verifier head's rows t2d"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "out")
+    export_checkpoint(
+        tmp_path / "ck", tmp_path / "out", verifier_path=verifier, verifier_name_or_path="org/v"
+    )
+    tensors = read(tmp_path / "out")
+    head = load_verifier_tensors(verifier).lm_head
+    assert tensors["lm_head.weight"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(tensors["lm_head.weight"], head[t2d])
+    np.testing.assert_array_equal(tensors["d2t"], d2t)
+    np.testing.assert_array_equal(tensors["t2d"], t2d)
+    # Maps given explicitly (e.g. from the data folder) win over the checkpoint's.
+    np.save(tmp_path / "d2t.npy", d2t)
+    np.save(tmp_path / "t2d.npy", t2d)
+    export_checkpoint(
+        tmp_path / "ck",
+        tmp_path / "out",
+        verifier_path=verifier,
+        overwrite=True,
+        d2t_path=tmp_path / "d2t.npy",
+        t2d_path=tmp_path / "t2d.npy",
+    )
+
+
+def test_existing_output_and_step_choice(tmp_path):
+    cfg = base_config()
+    for step, loss in ((5, 0.9), (6, 1.1)):
+        orbax_io.save_params_checkpoint(
+            tmp_path / "ck",
+            step,
+            cfg,
+            random_params(cfg, seed=step),
+            meta={"metrics": {"loss": loss}},
+        )
+    _, step = export_checkpoint(tmp_path / "ck", tmp_path / "out", step="best")
+    assert step == 5
+    np.testing.assert_array_equal(
+        read(tmp_path / "out")["norm.weight"],
+        to_speculators(random_params(cfg, seed=5))["norm.weight"].astype(ml_dtypes.bfloat16),
+    )
+    with pytest.raises(ExportError, match="exists"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "out")
+    _, step = export_checkpoint(tmp_path / "ck", tmp_path / "out", overwrite=True)
+    assert step == 6
+
+
+def test_cli_export(tmp_path, capsys):
+    cfg = base_config(markov_head_type="rnn")
+    orbax_io.save_params_checkpoint(tmp_path / "ck", 2, cfg, random_params(cfg))
+    argv = ["export", str(tmp_path / "ck"), str(tmp_path / "out"), "--verifier-name", "org/v"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "export refused: the folder fails the vllm check" in err
+    assert "markov_head_type='rnn' is not servable by vLLM" in err
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--target", "speculators", "--step", "2"]) == 0
+    assert "exported step 2" in capsys.readouterr().out
+    assert main(["check", str(tmp_path / "out"), "--target", "speculators"]) == 0

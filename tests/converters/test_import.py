@@ -1,0 +1,220 @@
+"""converters.importer: speculators DSpark/DFlash folder -> Orbax params checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from converters import orbax_io
+from converters.__main__ import main
+from converters.export import export_checkpoint, export_params
+from converters.importer import ImportFolderError, WarmStart, import_folder
+from tests.converters.helpers import (
+    base_config,
+    flat_params,
+    make_vocab,
+    random_params,
+    write_verifier,
+)
+
+
+def bf16_round(params):
+    return {
+        k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in flat_params(params).items()
+    }
+
+
+def tensors_of(folder):
+    with safe_open(folder / "model.safetensors", "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def rewrite(folder, config_fn=None, tensor_fn=None):
+    if config_fn:
+        d = json.loads((folder / "config.json").read_text())
+        config_fn(d)
+        (folder / "config.json").write_text(json.dumps(d))
+    if tensor_fn:
+        t = tensors_of(folder)
+        tensor_fn(t)
+        save_file(t, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imp")
+    cfg = base_config(draft_vocab_size=40, verifier_name_or_path="org/v")
+    verifier = write_verifier(root / "verifier", cfg)
+    params = random_params(cfg, seed=7)
+    maps = make_vocab(cfg, seed=7)
+    export_params(cfg, params, root / "src", vocab_maps=maps, verifier_path=verifier)
+    return root, cfg, params, maps, verifier
+
+
+def test_dspark_import_then_export_is_bit_exact(reduced, tmp_path):
+    root, cfg, params, maps, verifier = reduced
+    result = import_folder(root / "src", tmp_path / "ck", step=3, verifier_path=verifier)
+    assert result.kind == "dspark" and result.cfg == cfg
+    assert result.step_dir == (tmp_path / "ck" / "3").absolute()
+    assert [p.name for p in result.vocab_maps] == ["d2t-40.npy", "t2d-40.npy"]
+    np.testing.assert_array_equal(np.load(result.vocab_maps[0]), maps[0])
+    np.testing.assert_array_equal(np.load(result.vocab_maps[1]), maps[1])
+    loaded = orbax_io.load_params(tmp_path / "ck")
+    assert loaded.meta["source_type"] == "dspark"
+    assert loaded.meta["vocab_maps"] == {"d2t": "d2t-40.npy", "t2d": "t2d-40.npy"}
+    got, want = flat_params(loaded.params), bf16_round(params)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    export_checkpoint(tmp_path / "ck", tmp_path / "again", verifier_path=verifier)
+    a, b = tensors_of(root / "src"), tensors_of(tmp_path / "again")
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+    assert (root / "src" / "config.json").read_text() == (
+        tmp_path / "again" / "config.json"
+    ).read_text()
+
+
+def test_vllm_only_folder_without_t2d(reduced, tmp_path):
+    root, _, _, maps, _ = reduced
+    shutil.copytree(root / "src", tmp_path / "src")
+    rewrite(tmp_path / "src", tensor_fn=lambda t: t.pop("t2d"))
+    result = import_folder(tmp_path / "src", tmp_path / "ck")
+    np.testing.assert_array_equal(np.load(result.vocab_maps[1]), maps[1])
+
+
+@pytest.mark.parametrize(
+    "edit, pattern",
+    [
+        (lambda t: t.update(extra=np.zeros(2, np.float32)), r"unexpected tensors \['extra'\]"),
+        (
+            lambda t: t.pop("layers.0.mlp.down_proj.weight"),
+            r"missing tensor 'layers\.0\.mlp\.down_proj\.weight'",
+        ),
+        (
+            lambda t: t.update({"fc.weight": np.zeros((32, 65), np.float32)}),
+            r"tensor 'fc\.weight': expected shape \(32, 64\) \(torch layout\), got \(32, 65\)",
+        ),
+        (lambda t: t.pop("d2t"), r"no 'd2t' tensor"),
+        (lambda t: t.update(t2d=np.roll(t["t2d"], 1)), r"d2t and t2d disagree"),
+        (
+            lambda t: t.update({"lm_head.weight": t["lm_head.weight"] * 2}),
+            r"'lm_head\.weight' differs from the rows t2d of the verifier head",
+        ),
+    ],
+)
+def test_bad_folders_name_the_tensor(reduced, tmp_path, edit, pattern):
+    root, _, _, _, verifier = reduced
+    shutil.copytree(root / "src", tmp_path / "src")
+    rewrite(tmp_path / "src", tensor_fn=edit)
+    with pytest.raises(ImportFolderError, match=pattern):
+        import_folder(tmp_path / "src", tmp_path / "ck", verifier_path=verifier)
+    assert not (tmp_path / "ck" / "0").exists()
+
+
+def test_dspark_config_without_sample_from_anchor_is_refused(reduced, tmp_path):
+    root, *_ = reduced
+    shutil.copytree(root / "src", tmp_path / "src")
+    rewrite(tmp_path / "src", config_fn=lambda d: d.pop("sample_from_anchor"))
+    with pytest.raises(ImportFolderError, match="no 'sample_from_anchor': ambiguous"):
+        import_folder(tmp_path / "src", tmp_path / "ck")
+
+
+def make_dflash(src, dst):
+    """A speculators DFlash folder from a DSpark export: same backbone, no heads."""
+    shutil.copytree(src, dst)
+
+    def config(d):
+        for k in (
+            "markov_rank",
+            "markov_head_type",
+            "enable_confidence_head",
+            "confidence_head_with_markov",
+        ):
+            d.pop(k)
+        d.update(
+            speculators_model_type="dflash",
+            architectures=["DFlashDraftModel"],
+            sample_from_anchor=False,
+        )
+        d["speculators_config"]["algorithm"] = "dflash"
+        d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = d["block_size"] - 1
+
+    def tensors(t):
+        for k in [k for k in t if k.startswith(("markov_head.", "confidence_head."))]:
+            t.pop(k)
+
+    rewrite(dst, config, tensors)
+
+
+def test_dflash_warm_start(reduced, tmp_path):
+    root, cfg, params, _, _ = reduced
+    make_dflash(root / "src", tmp_path / "dflash")
+    ws = WarmStart(markov_rank=16, seed=3)
+    result = import_folder(tmp_path / "dflash", tmp_path / "ck", warm_start=ws)
+    assert result.kind == "dflash"
+    assert result.cfg == cfg.replace(markov_rank=16, sample_from_anchor=False)
+    got, want = flat_params(result.params), bf16_round(params)
+    heads = ("markov_head/", "confidence_head/")
+    for k in want:
+        if not k.startswith(heads):
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert got["markov_head/markov_w1/embedding"].shape == (64, 16)
+    assert got["markov_head/markov_w2/kernel"].shape == (16, 40)
+    assert got["confidence_head/proj/kernel"].shape == (32 + 16, 1)
+    assert 0.007 < got["markov_head/markov_w1/embedding"].std() < 0.013  # N(0, 0.01)
+    assert np.abs(got["markov_head/markov_w2/kernel"]).max() <= 1 / 4  # U(+-1/sqrt(r))
+    meta = orbax_io.load_params(tmp_path / "ck").meta
+    assert meta["source_type"] == "dflash" and meta["warm_start"]["markov_rank"] == 16
+    # Seeded: the same seed gives the same heads, another seed other heads.
+    again = import_folder(tmp_path / "dflash", tmp_path / "ck2", warm_start=ws)
+    other = import_folder(
+        tmp_path / "dflash",
+        tmp_path / "ck3",
+        warm_start=WarmStart(markov_rank=16, seed=4, sample_from_anchor=True),
+    )
+    np.testing.assert_array_equal(
+        flat_params(again.params)["markov_head/markov_w1/embedding"],
+        got["markov_head/markov_w1/embedding"],
+    )
+    assert not np.array_equal(
+        flat_params(other.params)["markov_head/markov_w1/embedding"],
+        got["markov_head/markov_w1/embedding"],
+    )
+    assert other.cfg.sample_from_anchor is True
+    with pytest.raises(ImportFolderError, match="warm-start options apply to DFlash folders only"):
+        import_folder(root / "src", tmp_path / "ck4", warm_start=ws)
+
+
+def test_cli_import(reduced, tmp_path, capsys):
+    root, *_ = reduced
+    make_dflash(root / "src", tmp_path / "dflash")
+    assert (
+        main(
+            [
+                "import",
+                str(tmp_path / "dflash"),
+                str(tmp_path / "ck"),
+                "--markov-rank",
+                "16",
+                "--no-confidence-head",
+                "--step",
+                "9",
+            ]
+        )
+        == 0
+    )
+    assert "imported dflash folder" in capsys.readouterr().out
+    loaded = orbax_io.load_params(tmp_path / "ck")
+    assert loaded.step == 9 and loaded.cfg.markov_rank == 16
+    assert not loaded.cfg.enable_confidence_head
+    assert main(["import", str(tmp_path / "dflash"), str(tmp_path / "ck"), "--step", "9"]) == 1
+    assert "step 9 already exists" in capsys.readouterr().err
+    assert main(["import", str(root / "src"), str(tmp_path / "ck5")]) == 0
