@@ -77,15 +77,36 @@ class MarkovHead(nnx.Module):
         # rnn: the state runs left to right over the block's slots.
         def step(state, xs):
             emb_k, hid_k = xs  # [A, r], [A, H]
-            z = self.joint_proj(jnp.concatenate([state, emb_k, hid_k], axis=-1))
-            gate_raw, cand_raw, out_raw = jnp.split(z, 3, axis=-1)
-            gate = jax.nn.sigmoid(gate_raw)
-            state = gate * state + (1.0 - gate) * jnp.tanh(cand_raw)
-            return state, jnp.tanh(out_raw)
+            return self.step(state, emb_k, hid_k)
 
-        state0 = jnp.zeros(prev_emb.shape[:1] + (self.rank,), prev_emb.dtype)
+        state0 = self.initial_state(prev_emb.shape[0], prev_emb.dtype)
         _, outs = jax.lax.scan(step, state0, (prev_emb.swapaxes(0, 1), hidden.swapaxes(0, 1)))
         return outs.swapaxes(0, 1)
+
+    def initial_state(self, num_blocks: int, dtype) -> jax.Array:
+        """The per-block state before slot 0: zeros [A, r] (only the rnn head uses it)."""
+        return jnp.zeros((num_blocks, self.rank), dtype)
+
+    def step(
+        self, state: jax.Array, prev_emb: jax.Array, hidden: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """One slot of every block, for drafting left to right on the drafter's own tokens.
+
+        state [A, r] (see :meth:`initial_state`), prev_emb [A, r] (W1 row of the token
+        the slot conditions on), hidden [A, H] -> (new state, feature [A, r]). Running it
+        over slots 0..B-1 gives :meth:`features` for every head type.
+        """
+        if self.head_type == "vanilla":
+            return state, prev_emb
+        hidden = hidden.astype(prev_emb.dtype)
+        if self.head_type == "gated":
+            gate = jax.nn.sigmoid(self.gate_proj(jnp.concatenate([hidden, prev_emb], axis=-1)))
+            return state, gate * prev_emb
+        z = self.joint_proj(jnp.concatenate([state, prev_emb, hidden], axis=-1))
+        gate_raw, cand_raw, out_raw = jnp.split(z, 3, axis=-1)
+        gate = jax.nn.sigmoid(gate_raw)
+        state = gate * state + (1.0 - gate) * jnp.tanh(cand_raw)
+        return state, jnp.tanh(out_raw)
 
 
 class ConfidenceHead(nnx.Module):

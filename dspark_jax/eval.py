@@ -1,0 +1,548 @@
+"""``python -m dspark_jax.eval``: acceptance tables and confidence calibration of a drafter.
+
+    python -m dspark_jax.eval --checkpoint runs/demo/checkpoints [--step latest|best|N] \\
+        --verifier configs/demo/verifier \\
+        --dataset heldout=runs/demo/heldout [--dataset code=/data/humaneval ...] \\
+        --output-dir runs/demo/eval
+
+The checkpoint is a training/params Orbax directory (``converters/orbax_io.py``) or
+an exported speculators folder (``config.json`` + ``model.safetensors``; imported
+into a temporary checkpoint first). Each dataset is a prepared folder with its
+hidden states (the training formats), evaluated whole: rows packed to
+``--total-seq-len`` (longer documents are truncated, as in training), and at every
+valid anchor of every row (``--num-anchors all``, the default) or at a seeded
+sample of them.
+
+Per dataset (definitions: :mod:`dspark_jax.drafting`, :mod:`dspark_jax.acceptance`):
+acceptance by draft position and acceptance length under the analytic rule
+(rejection sampling, ``sum_v min(q, p)`` chained) and greedy match, each with the
+Markov head on the drafter's own tokens (free running) and on the dataset's
+(teacher forcing), and the same by context length. With a confidence head: ECE,
+AUROC and Brier of its prefix-survival prediction, before and after sequential
+temperature scaling fitted on half of the documents and scored on the other half
+(:mod:`dspark_jax.calibration`); the temperatures are saved beside the checkpoint.
+
+Outputs in ``--output-dir``: ``acceptance.md`` (also printed), ``acceptance.csv``,
+``acceptance_by_context.csv``, ``calibration.csv``, ``summary.json``, and PNG plots
+``acceptance_by_position.png``, ``acceptance_by_context.png``,
+``calibration_{sampled,greedy}.png`` (needs matplotlib: the ``eval`` extra).
+
+One process, the default JAX device; the drafter and the verifier tensors must fit
+on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import acceptance, calibration, eval_report
+from dspark_jax.config import DSparkConfig
+from dspark_jax.drafting import row_statistics
+from dspark_jax.model.draft import ROW_KEYS, DSparkDraftModel, FrozenWeights
+
+log = logging.getLogger("dspark_jax.eval")
+
+ANCHOR_RULES = ("train", "full-block")
+TEMPERATURES_FILE = "confidence_temperatures.json"
+
+
+class EvalError(ValueError):
+    """A bad flag, checkpoint or dataset (the message names it)."""
+
+
+# ------------------------------------------------------------------ the drafter
+@dataclasses.dataclass
+class Drafter:
+    cfg: DSparkConfig
+    params: nnx.State  # trainable parameters (host or device arrays)
+    step: int | None
+    source: str  # what was loaded, for the report
+    vocab_maps: tuple[np.ndarray, np.ndarray] | None  # (d2t, t2d) for a reduced vocab
+    temperatures_path: Path  # where the fitted temperatures go by default
+
+
+def is_speculators_folder(path: Path) -> bool:
+    """config.json + weights and no Orbax step folders (a training ``--save-path`` holds
+    the run's config.json beside its numbered steps: that is a checkpoint)."""
+    if any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
+        return False
+    cfg = path / "config.json"
+    weights = (path / "model.safetensors").is_file() or (
+        path / "model.safetensors.index.json"
+    ).is_file()
+    if not cfg.is_file() or not weights:
+        return False
+    try:
+        return "speculators_model_type" in json.loads(cfg.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def load_drafter(
+    path: str | Path,
+    step: int | str | None = None,
+    *,
+    d2t_path: str | None = None,
+    t2d_path: str | None = None,
+) -> Drafter:
+    """An Orbax checkpoint directory or a speculators folder -> :class:`Drafter`."""
+    from converters import orbax_io
+
+    path = Path(path)
+    if not path.is_dir():
+        raise EvalError(f"--checkpoint {path}: no such directory")
+    if is_speculators_folder(path):
+        from converters.importer import ImportFolderError, import_folder
+
+        with tempfile.TemporaryDirectory(prefix="dspark-eval-import-") as tmp:
+            try:
+                import_folder(path, Path(tmp) / "ckpt")
+            except ImportFolderError as e:
+                raise EvalError(f"--checkpoint {path}: {e}") from None
+            loaded = orbax_io.load_params(Path(tmp) / "ckpt", 0)
+            maps = orbax_io.load_checkpoint_vocab_maps(
+                Path(tmp) / "ckpt", loaded.cfg, d2t_path, t2d_path
+            )
+        return Drafter(loaded.cfg, loaded.params, None, str(path), maps, path / TEMPERATURES_FILE)
+    try:
+        loaded = orbax_io.load_params(path, step)
+        maps = orbax_io.load_checkpoint_vocab_maps(path, loaded.cfg, d2t_path, t2d_path)
+    except orbax_io.CheckpointError as e:
+        raise EvalError(f"--checkpoint {path}: {e}") from None
+    temps = path / f"confidence_temperatures-{loaded.step}.json"
+    return Drafter(loaded.cfg, loaded.params, loaded.step, str(path), maps, temps)
+
+
+def load_frozen(cfg: DSparkConfig, verifier: str | Path, t2d: np.ndarray | None) -> FrozenWeights:
+    from dspark_jax.verifier import load_verifier_tensors
+
+    vt = load_verifier_tensors(verifier, t2d)
+    head = vt.lm_head.T  # [H, Vd]
+    frozen = FrozenWeights(vt.embed_tokens, head, head, vt.norm)
+    try:
+        frozen.check(cfg)
+    except ValueError as e:
+        raise EvalError(f"verifier {verifier} does not fit the drafter: {e}") from None
+    return jax.tree.map(jnp.asarray, frozen)
+
+
+# ------------------------------------------------------------------ anchors
+def eligible_anchors(
+    loss_mask: np.ndarray, document_ids: np.ndarray, block_size: int, rule: str = "train"
+) -> np.ndarray:
+    """Anchor positions of one packed row (sorted).
+
+    ``train``: the training rule (``loss_mask[p] == 1`` and ``p < S - B``).
+    ``full-block``: also every slot's position p..p+B-1 supervised and in p's document.
+    """
+    seq = loss_mask.shape[0]
+    p = np.arange(max(seq - block_size, 0))
+    ok = loss_mask[p] > 0
+    if rule == "full-block":
+        window = np.lib.stride_tricks.sliding_window_view(loss_mask > 0, block_size)[: p.size]
+        ok &= window.all(axis=1)
+        ok &= document_ids[p + block_size - 1] == document_ids[p]
+        ok &= document_ids[p] >= 0
+    elif rule != "train":
+        raise EvalError(f"--anchor-rule must be one of {ANCHOR_RULES}, got {rule!r}")
+    return p[ok].astype(np.int32)
+
+
+def choose_anchors(eligible: np.ndarray, num: int | None, rng: np.random.Generator) -> np.ndarray:
+    """All of them (num None) or a uniform sample of ``num`` without replacement, sorted."""
+    if num is None or num >= eligible.size:
+        return eligible
+    return np.sort(rng.choice(eligible, size=num, replace=False)).astype(np.int32)
+
+
+def anchor_groups(anchors: np.ndarray, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Static-size groups ``(anchors [size], valid [size])``, the last one padded."""
+    for i in range(0, anchors.size, size):
+        part = anchors[i : i + size]
+        valid = np.zeros(size, bool)
+        valid[: part.size] = True
+        yield np.pad(part, (0, size - part.size)).astype(np.int32), valid
+
+
+# ------------------------------------------------------------------ evaluation
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    total_seq_len: int = 8192
+    num_anchors: int | None = None  # per row; None: every eligible position
+    anchor_rule: str = "train"
+    anchors_per_call: int = 256
+    anchor_chunk: int | None = None  # blocks per free-running chunk; None: from Vd
+    vocab_chunk_tokens: int = 1024
+    seed: int = 0
+    max_rows: int | None = None
+    dtype: str = "float32"
+    hidden_states_dtype: str | None = None
+    on_missing: str = "raise"
+    num_workers: int = 0
+
+
+def default_anchor_chunk(draft_vocab_size: int, budget: int = 1 << 23) -> int:
+    """Blocks per free-running chunk so one [chunk, Vd] fp32 array stays ~32 MB."""
+    return max(1, budget // max(1, draft_vocab_size))
+
+
+class Evaluator:
+    """The jitted per-row statistics of one drafter, run over whole datasets."""
+
+    def __init__(self, drafter: Drafter, frozen: FrozenWeights, settings: EvalSettings):
+        self.cfg = cfg = drafter.cfg
+        self.settings = settings
+        dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[settings.dtype]
+        abstract = nnx.eval_shape(
+            lambda: DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=False)
+        )
+        graphdef, _ = nnx.split(abstract)
+        self.params = jax.tree.map(jnp.asarray, drafter.params)
+        self.frozen = frozen
+        self.d2t = None if drafter.vocab_maps is None else jnp.asarray(drafter.vocab_maps[0])
+        chunk = settings.anchor_chunk or default_anchor_chunk(cfg.draft_vocab_size)
+
+        def stats(params, frozen, row, anchors, valid, key, d2t):
+            model = nnx.merge(graphdef, params)
+            return row_statistics(
+                model, frozen, row, anchors, valid, key, d2t=d2t, anchor_chunk=chunk,
+                vocab_chunk_tokens=settings.vocab_chunk_tokens,
+            )  # fmt: skip
+
+        self._stats = jax.jit(stats)
+
+    def row(self, row: dict[str, np.ndarray], row_index: int) -> dict[str, np.ndarray] | None:
+        """Statistics of the chosen anchors of one packed row (host arrays), or None."""
+        s, b = self.settings, self.cfg.block_size
+        eligible = eligible_anchors(row["loss_mask"], row["document_ids"], b, s.anchor_rule)
+        rng = np.random.default_rng([s.seed, row_index])
+        anchors = choose_anchors(eligible, s.num_anchors, rng)
+        if anchors.size == 0:
+            return None
+        device_row = {k: jnp.asarray(row[k]) for k in ROW_KEYS}
+        key = jax.random.fold_in(jax.random.key(s.seed), row_index)
+        parts = []
+        for g, (group, valid) in enumerate(anchor_groups(anchors, s.anchors_per_call)):
+            out = self._stats(
+                self.params, self.frozen, device_row, jnp.asarray(group), jnp.asarray(valid),
+                jax.random.fold_in(key, g), self.d2t,
+            )  # fmt: skip
+            out = jax.device_get(out)
+            parts.append({k: np.asarray(v)[valid] for k, v in out.items()})
+        merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        merged["row"] = np.full(anchors.size, row_index, np.int64)
+        return merged
+
+    def dataset(
+        self, name: str, data_path: str | Path, hidden_states_path: str | Path | None = None
+    ) -> eval_report.DatasetBlocks:
+        from dspark_jax.data.files import DataError
+        from dspark_jax.data.pipeline import PackedData
+
+        s, cfg = self.settings, self.cfg
+        try:
+            data = PackedData(
+                data_path,
+                hidden_states_path,
+                total_seq_len=s.total_seq_len,
+                n_aux=cfg.num_aux_layers,
+                hidden_size=cfg.verifier_hidden_size,
+                train_data_ratio=1.0,
+                rows_per_process=1,
+                process_index=0,
+                process_count=1,
+                seed=s.seed,
+                on_missing=s.on_missing,
+                hidden_states_dtype=s.hidden_states_dtype,
+                aux_hidden_state_layer_ids=cfg.aux_hidden_state_layer_ids,
+            )
+        except DataError as e:
+            raise EvalError(f"dataset {name!r}: {e}") from None
+        total_rows = data.steps_per_epoch("train", 0)
+        limit = total_rows if s.max_rows is None else min(total_rows, s.max_rows)
+        it = data.train_iterator(num_epochs=1, num_workers=s.num_workers)
+        parts, rows, documents, skipped = [], 0, 0, 0
+        t0 = time.time()
+        try:
+            for row_index, batch in enumerate(it):
+                if row_index >= limit:
+                    break
+                skipped += int(batch["error_records"].sum())
+                row = {k: batch[k][0] for k in ROW_KEYS}
+                documents += len(np.unique(row["document_ids"][row["document_ids"] >= 0]))
+                out = self.row(row, row_index)
+                rows += 1
+                if out is not None:
+                    parts.append(out)
+                if rows % 10 == 0 or rows == limit:
+                    log.info("%s: %d/%d rows, %.1f s", name, rows, limit, time.time() - t0)
+        finally:
+            it.close()
+        if not parts:
+            raise EvalError(
+                f"dataset {name!r} ({data_path}): no valid anchor in {rows} rows "
+                f"(anchor rule {s.anchor_rule!r}: needs supervised tokens, loss_mask == 1)"
+            )
+        arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return eval_report.DatasetBlocks(name, arrays, rows, documents, skipped)
+
+
+def add_realised_draws(blocks: eval_report.DatasetBlocks, seed: int) -> None:
+    """``y_sampled``: one realised accept/reject per slot, Bernoulli(accept_fr) (seeded)."""
+    rng = np.random.default_rng([seed, 7])
+    a = blocks.arrays["accept_fr"]
+    blocks.arrays["y_sampled"] = rng.random(a.shape) < a
+
+
+# ------------------------------------------------------------------ CLI
+def _dataset_spec(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def _anchors(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'all' or a positive int, got {text!r}"
+        ) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected 'all' or a positive int, got {text!r}")
+    return n
+
+
+def _edges(text: str) -> list[int]:
+    try:
+        edges = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not edges or any(e < 0 for e in edges):
+        raise argparse.ArgumentTypeError(f"expected non-negative ints, got {text!r}")
+    return edges
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_jax.eval",
+        description="Acceptance tables and confidence calibration of a DSpark drafter.",
+    )
+    g = p.add_argument_group("drafter")
+    g.add_argument("--checkpoint", required=True,
+                   help="Orbax checkpoint directory (training or params) or speculators folder")  # fmt: skip
+    g.add_argument("--step", default="latest", help="Orbax step: an int, 'latest' or 'best'")
+    g.add_argument("--verifier", default=None,
+                   help="local HF folder of the verifier (default: the config's verifier path)")  # fmt: skip
+    g.add_argument("--d2t", default=None, help="draft vocab map d2t-<Vd>.npy (overrides)")
+    g.add_argument("--t2d", default=None, help="draft vocab map t2d-<Vd>.npy (overrides)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="compute dtype of the drafter")  # fmt: skip
+
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", action="append", type=_dataset_spec, required=True,
+                   metavar="NAME=PATH", help="a prepared dataset folder (repeat for several)")  # fmt: skip
+    g.add_argument("--hidden-states", action="append", type=_dataset_spec, default=[],
+                   metavar="NAME=PATH",
+                   help="hidden-state folder of dataset NAME (default PATH/hidden_states)")  # fmt: skip
+    g.add_argument("--total-seq-len", type=int, default=8192, help="tokens per packed row")
+    g.add_argument("--hidden-states-dtype", default=None,
+                   choices=("bfloat16", "float16", "float32"), help="default: as stored")  # fmt: skip
+    g.add_argument("--on-missing", default="raise", choices=("raise", "skip", "warn"))
+    g.add_argument("--max-rows", type=int, default=None, help="evaluate at most this many rows")
+    g.add_argument("--num-workers", type=int, default=0, help="Grain reader processes")
+
+    g = p.add_argument_group("anchors")
+    g.add_argument("--num-anchors", type=_anchors, default=None, metavar="all|N",
+                   help="anchors per row: every eligible position (default) or a seeded sample")  # fmt: skip
+    g.add_argument("--anchor-rule", default="train", choices=ANCHOR_RULES,
+                   help="train: loss_mask[p]==1 (as training); full-block: all B slots "
+                   "supervised and in the anchor's document")  # fmt: skip
+    g.add_argument("--anchors-per-call", type=int, default=256,
+                   help="blocks per drafter call (one compilation)")  # fmt: skip
+    g.add_argument("--anchor-chunk", type=int, default=None,
+                   help="blocks per free-running vocab chunk (default: ~32 MB of logits)")  # fmt: skip
+    g.add_argument("--vocab-chunk-tokens", type=int, default=1024)
+    g.add_argument("--seed", type=int, default=0,
+                   help="anchors, free-running draws, realised acceptances, calibration split")  # fmt: skip
+
+    g = p.add_argument_group("report")
+    g.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="positions reported (default: the drafter's speculative tokens)")  # fmt: skip
+    g.add_argument("--context-buckets", type=_edges, default=list(acceptance.DEFAULT_CONTEXT_EDGES),
+                   help="context-length bucket edges (comma-separated)")  # fmt: skip
+    g.add_argument("--output-dir", default="eval_results")
+    g.add_argument("--no-plots", action="store_true")
+
+    g = p.add_argument_group("calibration")
+    g.add_argument("--calibration-rule", default="sampled", choices=tuple(eval_report.CALIBRATION_RULES),
+                   help="the rule whose temperatures the file's 'temperatures' holds")  # fmt: skip
+    g.add_argument("--calibration-fit-fraction", type=float, default=0.5,
+                   help="share of documents STS is fitted on (the rest is reported)")  # fmt: skip
+    g.add_argument("--sts-objective", default="nll", choices=calibration.OBJECTIVES)
+    g.add_argument("--ece-bins", type=int, default=20)
+    g.add_argument("--temperatures", default=None,
+                   help="apply these saved temperatures instead of fitting (no file written)")  # fmt: skip
+    g.add_argument("--temperatures-out", default=None,
+                   help="where to save the fitted temperatures (default: beside the checkpoint)")  # fmt: skip
+    g.add_argument("--no-save-temperatures", action="store_true")
+    return p
+
+
+def _resolve_verifier(args, cfg: DSparkConfig) -> Path:
+    path = args.verifier or cfg.verifier_name_or_path
+    if not path:
+        raise EvalError("no --verifier and the drafter config names none")
+    if not Path(path).is_dir():
+        raise EvalError(
+            f"verifier {path!r} is not a local folder (pass --verifier with a downloaded copy)"
+        )
+    return Path(path)
+
+
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    names = [n for n, _ in args.dataset]
+    if len(set(names)) != len(names):
+        raise EvalError(f"--dataset names must be unique, got {names}")
+    hs = dict(args.hidden_states)
+    unknown = sorted(set(hs) - set(names))
+    if unknown:
+        raise EvalError(f"--hidden-states for unknown datasets {unknown} (datasets: {names})")
+    if not 0.0 <= args.calibration_fit_fraction < 1.0:
+        raise EvalError("--calibration-fit-fraction must be in [0, 1)")
+    if args.anchors_per_call <= 0:
+        raise EvalError("--anchors-per-call must be positive")
+
+    step: int | str = args.step
+    if step not in ("latest", "best"):
+        try:
+            step = int(step)
+        except ValueError:
+            raise EvalError(f"--step must be an int, 'latest' or 'best', got {step!r}") from None
+    drafter = load_drafter(args.checkpoint, step, d2t_path=args.d2t, t2d_path=args.t2d)
+    cfg = drafter.cfg
+    n_draft = cfg.speculative_tokens if args.num_draft_tokens is None else args.num_draft_tokens
+    if not 1 <= n_draft <= cfg.speculative_tokens:
+        raise EvalError(f"--num-draft-tokens must be in [1, {cfg.speculative_tokens}]")
+    verifier = _resolve_verifier(args, cfg)
+    frozen = load_frozen(
+        cfg, verifier, None if drafter.vocab_maps is None else drafter.vocab_maps[1]
+    )
+    settings = EvalSettings(
+        total_seq_len=args.total_seq_len,
+        num_anchors=args.num_anchors,
+        anchor_rule=args.anchor_rule,
+        anchors_per_call=args.anchors_per_call,
+        anchor_chunk=args.anchor_chunk,
+        vocab_chunk_tokens=args.vocab_chunk_tokens,
+        seed=args.seed,
+        max_rows=args.max_rows,
+        dtype=args.dtype,
+        hidden_states_dtype=args.hidden_states_dtype,
+        on_missing=args.on_missing,
+        num_workers=args.num_workers,
+    )
+    evaluator = Evaluator(drafter, frozen, settings)
+    has_conf = cfg.enable_confidence_head
+    blocks = []
+    for name, path in args.dataset:
+        log.info("evaluating %s (%s)", name, path)
+        ds = evaluator.dataset(name, path, hs.get(name))
+        if has_conf:
+            add_realised_draws(ds, args.seed)
+        blocks.append(ds)
+
+    given = None
+    if args.temperatures and has_conf:
+        given = {
+            r: calibration.load_temperatures(args.temperatures, r)
+            for r in eval_report.CALIBRATION_RULES
+        }
+    info = {
+        "checkpoint": drafter.source,
+        "step": drafter.step,
+        "verifier": str(verifier),
+        "block_size": cfg.block_size,
+        "sample_from_anchor": cfg.sample_from_anchor,
+        "markov_head": None
+        if cfg.markov_rank == 0
+        else f"{cfg.markov_head_type} r{cfg.markov_rank}",
+        "confidence_head": has_conf,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "settings": dataclasses.asdict(settings),
+    }
+    report = eval_report.build_report(
+        blocks,
+        start=0 if cfg.sample_from_anchor else 1,
+        num_draft=n_draft,
+        context_edges=args.context_buckets,
+        has_confidence=has_conf,
+        calib_fraction=args.calibration_fit_fraction,
+        calib_rule=args.calibration_rule,
+        calib_objective=args.sts_objective,
+        ece_bins=args.ece_bins,
+        seed=args.seed,
+        given_temperatures=given,
+        info=info,
+    )
+    cal = report.get("calibration")
+    if cal and given is None and not args.no_save_temperatures:
+        by_rule = {r: np.asarray(t) for r, t in cal["temperatures"].items()}
+        record = calibration.temperatures_record(
+            by_rule,
+            args.calibration_rule,
+            draft_positions=n_draft,
+            block_size=cfg.block_size,
+            sample_from_anchor=cfg.sample_from_anchor,
+            objective=args.sts_objective,
+            checkpoint=drafter.source,
+            step=drafter.step,
+            fit={
+                "datasets": names,
+                "fraction": args.calibration_fit_fraction,
+                "blocks": cal["fit_blocks"],
+                "seed": args.seed,
+            },
+        )
+        out = Path(args.temperatures_out) if args.temperatures_out else drafter.temperatures_path
+        cal["file"] = str(calibration.save_temperatures(out, record))
+    files = eval_report.write_outputs(report, Path(args.output_dir), plots=not args.no_plots)
+    print(eval_report.markdown(report), end="")
+    for what, path in files.items():
+        log.info("wrote %s: %s", what, path)
+    if cal and cal.get("file"):
+        log.info("wrote temperatures: %s", cal["file"])
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore INFO lines
+    try:
+        run(argv)
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
