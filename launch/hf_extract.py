@@ -1,0 +1,120 @@
+"""Hidden-state extraction with HuggingFace transformers (CPU or GPU).
+
+Layer id ``k`` is the residual stream after ``k`` decoder layers (vLLM's
+``eagle_aux_hidden_state_layer_ids`` convention): ``k = 0`` is the input of decoder
+layer 0 (the embeddings), ``k >= 1`` the output of decoder layer ``k - 1``; so
+``k = N`` is the last decoder layer's output *before* the final norm. They are
+captured with forward hooks on the decoder layers, never read from
+``output_hidden_states`` (whose last entry is post-norm).
+
+Rows of a batch are right-padded; with causal attention the real positions never
+see the padding, but a batched forward may differ from a one-row forward in the
+last bits (different kernel shapes). ``batch_size=1`` reproduces a direct forward
+exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from launch.hs_files import dtype_name, resolve_layer_ids
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer stack of a causal LM (``model.model.layers`` for Llama/Qwen)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(decoder, "layers", None)
+    if layers is None and hasattr(decoder, "language_model"):
+        layers = decoder.language_model.layers
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+class HFExtractor:
+    def __init__(
+        self,
+        model: str,
+        target_layer_ids: Sequence[int] | None,
+        *,
+        include_last_layer: bool = True,
+        dtype: str = "auto",
+        device: str = "auto",
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = _text_config(
+            AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
+        self.num_hidden_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.layer_ids = resolve_layer_ids(target_layer_ids, self.num_hidden_layers,
+                                           include_last_layer)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype),
+                  "trust_remote_code": trust_remote_code}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device).eval()
+        self.device = torch.device(device)
+        self.layers = decoder_layers(self.model)
+        if len(self.layers) != self.num_hidden_layers:
+            raise ValueError(f"{model}: config says {self.num_hidden_layers} layers, the model "
+                             f"has {len(self.layers)}")
+        self.decoder = self.model.get_decoder()
+        self.dtype = next(self.model.parameters()).dtype
+        self.model_name = model
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    def _register(self, store: dict[int, torch.Tensor]) -> list:
+        handles = []
+        for k in set(self.layer_ids):
+            if k == 0:
+                def pre(_mod, args, kwargs, k=k):
+                    store[k] = args[0] if args else kwargs["hidden_states"]
+                handles.append(self.layers[0].register_forward_pre_hook(pre, with_kwargs=True))
+            else:
+                def post(_mod, _args, output, k=k):
+                    store[k] = output[0] if isinstance(output, (tuple, list)) else output
+                handles.append(self.layers[k - 1].register_forward_hook(post))
+        return handles
+
+    @torch.inference_mode()
+    def extract(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Hidden states ``[T_i, len(layer_ids), H]`` (model dtype, on CPU) per row."""
+        if not rows:
+            return []
+        lengths = [len(r) for r in rows]
+        if min(lengths) == 0:
+            raise ValueError("cannot extract hidden states of an empty row")
+        T = max(lengths)
+        ids = torch.zeros((len(rows), T), dtype=torch.long)
+        mask = torch.zeros((len(rows), T), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[b, : len(r)] = 1
+        store: dict[int, torch.Tensor] = {}
+        handles = self._register(store)
+        try:
+            self.decoder(
+                input_ids=ids.to(self.device),
+                attention_mask=None if len(rows) == 1 else mask.to(self.device),
+                use_cache=False,
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        stacked = torch.stack([store[k] for k in self.layer_ids], dim=2)  # [B, T, n, H]
+        stacked = stacked.to("cpu")
+        return [stacked[b, : n].clone() for b, n in enumerate(lengths)]

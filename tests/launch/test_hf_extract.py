@@ -1,0 +1,83 @@
+"""Issue 4, test 1: hf extraction of the demo verifier equals a direct forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launch.hf_extract import HFExtractor
+from launch.hs_files import resolve_layer_ids
+
+from .conftest import DEMO_TARGET_LAYERS
+
+
+def _ids(tok, text="def add(a, b):\n    return a + b\n"):
+    conv = [{"role": "user", "content": "Write add."}, {"role": "assistant", "content": text}]
+    return tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+
+
+def test_slots_are_residual_stream_and_last_is_prenorm(verifier_path, demo_tokenizer):
+    ex = HFExtractor(verifier_path, [0, 1, 2, 3], device="cpu")
+    n = ex.num_hidden_layers
+    assert ex.layer_ids == [0, 1, 2, 3, n]
+    ids = _ids(demo_tokenizer)
+    hs = ex.extract([ids])[0]
+    assert hs.shape == (len(ids), 5, ex.hidden_size) and hs.dtype == ex.dtype == torch.bfloat16
+
+    with torch.inference_mode():
+        out = ex.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        ref = [h[0] for h in out.hidden_states]  # N + 1 entries; ref[N] is post-norm
+        assert len(ref) == n + 1
+        # slot k == residual stream after k layers (HF's hidden_states[k] for k < N)
+        for slot, k in enumerate(ex.layer_ids[:-1]):
+            assert torch.equal(hs[:, slot], ref[k]), k
+        emb = ex.model.get_input_embeddings()(torch.tensor(ids))
+        assert torch.equal(hs[:, 0], emb)
+        last = hs[:, -1]
+        # the last slot differs from output_hidden_states[-1] by exactly the final norm
+        assert not torch.equal(last, ref[n])
+        assert torch.equal(ex.model.model.norm(last), ref[n])
+        # and feeds the verifier's lm_head to give its logits
+        torch.testing.assert_close(ex.model.lm_head(ex.model.model.norm(last)).float(),
+                                   out.logits[0].float(), rtol=0, atol=0)
+
+
+def test_batched_extraction_matches_single_rows(extractor, demo_tokenizer):
+    rows = [_ids(demo_tokenizer, "x = 1\n" * k) for k in (1, 5, 12)]
+    single = [extractor.extract([r])[0] for r in rows]
+    batched = extractor.extract(rows)
+    for s, b, r in zip(single, batched, rows):
+        assert b.shape == (len(r), len(DEMO_TARGET_LAYERS) + 1, extractor.hidden_size)
+        torch.testing.assert_close(b.float(), s.float(), rtol=0.02, atol=0.02)
+
+
+def test_layer_id_resolution():
+    assert resolve_layer_ids([1, 2, 3], 4) == [1, 2, 3, 4]
+    assert resolve_layer_ids([1, 4], 4) == [1, 4]  # final layer already present
+    assert resolve_layer_ids([1, 2], 4, include_last_layer=False) == [1, 2]
+    assert resolve_layer_ids(None, 36) == [2, 18, 33, 36]  # speculators' default
+    with pytest.raises(ValueError, match="default target layer ids"):
+        resolve_layer_ids(None, 4)  # [2, 2, 1]: duplicates
+    with pytest.raises(ValueError, match="within"):
+        resolve_layer_ids([1, 5], 4)
+
+
+def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, extractor):
+    from datasets import load_from_disk
+
+    from launch.extract_hidden_states import main
+
+    out = tmp_path / "hs"
+    rc = main(["--backend", "hf", "--model", verifier_path, "--preprocessed-data",
+               str(small_prepared), "--output", str(out), "--target-layer-ids", "1", "2", "3",
+               "--batch-size", "1", "--max-samples", "4", "--device", "cpu"])
+    assert rc == 0
+    ds = load_from_disk(str(small_prepared)).with_format(None)
+    assert sorted(p.name for p in out.glob("hs_*")) == [f"hs_{i}.safetensors" for i in range(4)]
+    for i in range(4):
+        f = load_file(out / f"hs_{i}.safetensors")
+        assert set(f) == {"hidden_states", "token_ids"}
+        assert f["token_ids"].dtype == torch.int64
+        assert f["token_ids"].tolist() == ds[i]["input_ids"]
+        assert torch.equal(f["hidden_states"], extractor.extract([ds[i]["input_ids"]])[0])
