@@ -105,6 +105,8 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh):
     from the ``out_sharding`` logical names recorded on its Variables."""
 
     def one(var):
+        if isinstance(var, nnx.Variable) and not jax.tree.leaves(var):
+            return var  # no array inside (e.g. optax's MaskedNode in a partitioned optimizer)
         names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
         shape = tuple(var.shape) if hasattr(var, "shape") else ()
         spec = _fit(tuple(names), shape, mesh) if names else P()

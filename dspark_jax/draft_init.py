@@ -1,0 +1,416 @@
+"""Which drafter a run trains: its DSparkConfig, vocab maps and starting weights.
+
+The reference's ``train/cli.py::build_draft_model`` without torch or transformers:
+the verifier is a local folder whose ``config.json`` (and tokenizer files, for the
+mask token) are read as JSON. Three sources, as in the reference:
+
+* ``--from-pretrained``: an Orbax checkpoint (``python -m converters import`` or a
+  previous run's ``--save-path``), a speculators folder (imported on the fly), or a
+  folder with only ``config.json`` (fresh weights from that config);
+* ``--draft-config``: a Qwen3 decoder config (JSON file or folder);
+* neither: the decoder derived from the verifier config
+  (``create_transformer_layer_config``: ``--num-layers``, sliding window on every
+  layer except ``--full-attention-indices``, verifier head geometry, MLP width =
+  the verifier's ``intermediate_size`` or 3 x hidden for MoE verifiers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from dspark_jax.cli import ConfigError, TrainArgs
+from dspark_jax.config import DSparkConfig, decoder_fields_from_qwen3
+from dspark_jax.data.files import EXTRACTION_CONFIG
+from dspark_jax.vocab import resolve_vocab_maps
+
+log = logging.getLogger(__name__)
+
+# Flags that shape the drafter; with --from-pretrained the checkpoint's config decides
+# and a flag that disagrees with it is an error.
+MODEL_FLAGS = {
+    "block_size": "block_size",
+    "mask_token_id": "mask_token_id",
+    "target_layer_ids": "aux_hidden_state_layer_ids",
+    "draft_vocab_size": "draft_vocab_size",
+    "sample_from_anchor": "sample_from_anchor",
+    "markov_rank": "markov_rank",
+    "markov_head_type": "markov_head_type",
+    "enable_confidence_head": "enable_confidence_head",
+    "confidence_head_with_markov": "confidence_head_with_markov",
+    "sliding_window_non_causal": "sliding_window_non_causal",
+}
+
+
+@dataclasses.dataclass
+class DraftSetup:
+    cfg: DSparkConfig
+    vocab_maps: tuple[np.ndarray, np.ndarray] | None  # (d2t, t2d) for a reduced vocab
+    params: nnx.State | None  # starting weights (host arrays); None: fresh init
+    source: str  # what the drafter was built from, for logs
+
+
+def hidden_states_dir(args: TrainArgs) -> Path:
+    return Path(args.hidden_states_path or Path(args.data_path) / "hidden_states")
+
+
+def read_verifier_config(path: str) -> dict[str, Any]:
+    """The verifier's (text) config.json as a dict."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"--verifier-name-or-path {path}: not a local model folder with config.json "
+            "(dspark_jax does not download; fetch Hub models first, e.g. huggingface-cli download)"
+        )
+    d = json.loads((folder / "config.json").read_text())
+    return d.get("text_config", d) if isinstance(d.get("text_config"), dict) else d
+
+
+def resolve_target_layer_ids(args: TrainArgs, verifier: dict[str, Any]) -> list[int]:
+    n = int(verifier["num_hidden_layers"])
+    ids = args.target_layer_ids
+    explicit = ids is not None
+    if ids is None:
+        record = hidden_states_dir(args) / EXTRACTION_CONFIG
+        if record.exists():
+            layer_ids = json.loads(record.read_text()).get("layer_ids")
+            if layer_ids:
+                ids = list(layer_ids[:-1])  # the last slot is the verifier's last layer
+                log.info("--target-layer-ids not set: using %s from %s", ids, record)
+    if ids is None:
+        ids = [2, n // 2, n - 3]
+        log.warning(
+            "--target-layer-ids is not explicitly set. Setting target layers to %s. If custom "
+            "target layers were used when extracting hidden states, please set them explicitly.",
+            ids,
+        )
+    if not ids or min(ids) < 0 or max(ids) > n or len(set(ids)) != len(ids):
+        what = "target_layer_ids" if explicit else f"Default target layer ids {ids}"
+        raise ConfigError(
+            f"{what} must be distinct and within [0, {n}] for a verifier with {n} hidden "
+            f"layers, got {ids}"
+        )
+    return list(ids)
+
+
+def derive_decoder(args: TrainArgs, verifier: dict[str, Any]) -> dict[str, Any]:
+    """``create_transformer_layer_config``: a Qwen3 decoder dict from the verifier."""
+    hidden = int(verifier["hidden_size"])
+    heads = int(verifier["num_attention_heads"])
+    kv = int(verifier.get("num_key_value_heads") or heads)
+    head_dim = verifier.get("head_dim")
+    if head_dim and hidden % heads and hidden % head_dim == 0:
+        heads = hidden // head_dim
+        if heads % kv:
+            kv = heads
+    if kv and heads % kv:
+        raise ConfigError(
+            f"Inconsistent draft attention geometry resolved from verifier "
+            f"'{args.verifier_name_or_path}': num_attention_heads={heads} is not divisible by "
+            f"num_key_value_heads={kv}."
+        )
+    num_layers = args.num_layers
+    full = args.full_attention_indices or []
+    if full and (min(full) < 0 or max(full) >= num_layers):
+        raise ConfigError(
+            "Full attention indices must be valid draft layer ids in range [0, num_layers)."
+        )
+    if not full:
+        log.info(
+            "All %d draft layers using sliding window attention (window=%d). To use full "
+            "attention on specific layers, pass '--full-attention-indices <layer_ids>'.",
+            num_layers,
+            args.sliding_window,
+        )
+    intermediate = verifier.get("intermediate_size")
+    if intermediate is None:
+        intermediate = 3 * hidden
+        log.warning(
+            "Verifier config has no dense intermediate_size (likely MoE); using draft "
+            "intermediate_size=%d (3 x hidden_size). Pass --draft-config to override.",
+            intermediate,
+        )
+    rope = verifier.get("rope_parameters") or verifier.get("rope_scaling")
+    if isinstance(rope, dict) and "rope_theta" not in rope:
+        rope = rope.get("sliding_attention") or rope.get("full_attention") or rope or None
+    out = {
+        "model_type": "qwen3",
+        "vocab_size": int(verifier["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(intermediate),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim or hidden // heads,
+        "max_position_embeddings": verifier.get("max_position_embeddings"),
+        "rms_norm_eps": verifier.get("rms_norm_eps", 1e-6),
+        "sliding_window": args.sliding_window,
+        "layer_types": [
+            "full_attention" if i in full else "sliding_attention" for i in range(num_layers)
+        ],
+        "rope_theta": verifier.get("rope_theta", 10000.0),
+    }
+    if isinstance(rope, dict):
+        out["rope_parameters"] = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    return out
+
+
+def load_draft_decoder(path: str, verifier: dict[str, Any]) -> dict[str, Any]:
+    """``load_draft_transformer_layer_config`` for a local JSON file or folder."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    try:
+        d = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--draft-config {path}: no such file (a JSON file or a folder with config.json)"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--draft-config {file}: not valid JSON ({e})") from None
+    if "transformer_layer_config" in d:
+        d = d["transformer_layer_config"]
+    model_type = d.get("model_type")
+    if not model_type:
+        raise ConfigError(
+            "--draft-config must define a 'model_type' ('qwen3' for DFlash-family models); "
+            f"none was found in the config loaded from '{path}'."
+        )
+    if model_type != "qwen3":
+        raise ConfigError(
+            f"--draft-config {path}: model_type {model_type!r}; dspark_jax builds qwen3 only"
+        )
+    if int(d["hidden_size"]) != int(verifier["hidden_size"]):
+        raise ConfigError(
+            f"--draft-config hidden_size ({d['hidden_size']}) must match the verifier "
+            f"hidden_size ({verifier['hidden_size']}). Draft/verifier hidden-size mismatch is not "
+            "yet supported."
+        )
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(
+            f"--draft-config {path}: hidden_act {d['hidden_act']!r}; dspark_jax's MLP is SiLU only"
+        )
+    if int(d.get("vocab_size", -1)) != int(verifier["vocab_size"]):
+        log.info(
+            "Overriding --draft-config vocab_size (%s) with the verifier vocab_size (%s)",
+            d.get("vocab_size"),
+            verifier["vocab_size"],
+        )
+        d = {**d, "vocab_size": int(verifier["vocab_size"])}
+    return d
+
+
+def _decoder_fields(decoder: dict[str, Any], source: str) -> dict[str, Any]:
+    rope = decoder.get("rope_parameters") or decoder.get("rope_scaling") or {}
+    if isinstance(rope, dict) and "mrope_section" in rope:
+        raise ConfigError(f"{source}: MRoPE (mrope_section) is not supported; only default RoPE")
+    try:
+        return decoder_fields_from_qwen3(decoder, source=source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _token_id(folder: Path, name: str, tokens: dict[str, int]) -> int | None:
+    tc = folder / "tokenizer_config.json"
+    if tc.exists():
+        value = json.loads(tc.read_text()).get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value in tokens:
+            return tokens[value]
+    cfg = folder / "config.json"
+    if cfg.exists():
+        value = json.loads(cfg.read_text()).get(f"{name}_id")
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def resolve_mask_token_id(args: TrainArgs, vocab_size: int) -> int:
+    """``resolve_mask_token_id``: explicit, the tokenizer's mask token, the first unused
+    id (the reference adds ``<|MASK|>`` there), else pad/eos/unk."""
+    if args.mask_token_id is not None:
+        return int(args.mask_token_id)
+    folder = Path(args.verifier_name_or_path)
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.exists():
+        raise ConfigError(
+            f"--mask-token-id is not set and {tok_file} does not exist to resolve it from; "
+            "pass --mask-token-id"
+        )
+    tok = json.loads(tok_file.read_text())
+    vocab = (tok.get("model") or {}).get("vocab") or {}
+    tokens = dict(vocab) if isinstance(vocab, dict) else {t[0]: i for i, t in enumerate(vocab)}
+    tokens.update({t["content"]: int(t["id"]) for t in tok.get("added_tokens", [])})
+    mask = _token_id(folder, "mask_token", tokens)
+    if mask is not None:
+        log.info("Using tokenizer mask_token_id=%d", mask)
+        return mask
+    size = len(tokens)
+    if size < vocab_size:
+        log.warning(
+            "Using the first unused token id as mask_token_id=%d (tokenizer len=%d, "
+            "vocab_size=%d), as the reference adds <|MASK|> there",
+            size,
+            size,
+            vocab_size,
+        )
+        return size
+    for name in ("pad_token", "eos_token", "unk_token"):
+        tid = _token_id(folder, name, tokens)
+        if tid is not None:
+            log.warning("Tokenizer has no mask token and no unused ids; using %s_id=%d", name, tid)
+            return tid
+    raise ConfigError(
+        "Could not resolve mask_token_id: no --mask-token-id provided, tokenizer has no "
+        "mask_token, no unused embedding slots, and no pad/eos/unk fallback tokens."
+    )
+
+
+def _fresh_config(args: TrainArgs, verifier: dict[str, Any], vocab_maps) -> DSparkConfig:
+    if args.draft_config:
+        decoder, source = (
+            load_draft_decoder(args.draft_config, verifier),
+            f"--draft-config {args.draft_config}",
+        )
+    else:
+        decoder, source = derive_decoder(args, verifier), f"verifier {args.verifier_name_or_path}"
+    fields = _decoder_fields(decoder, source)
+    draft_vocab = len(vocab_maps[0]) if vocab_maps is not None else fields["vocab_size"]
+    try:
+        return DSparkConfig(
+            **fields,
+            block_size=args.block_size,
+            mask_token_id=resolve_mask_token_id(args, fields["vocab_size"]),
+            aux_hidden_state_layer_ids=tuple(resolve_target_layer_ids(args, verifier)),
+            draft_vocab_size=draft_vocab,
+            sample_from_anchor=args.sample_from_anchor,
+            markov_rank=args.markov_rank,
+            markov_head_type=args.markov_head_type,
+            enable_confidence_head=args.enable_confidence_head,
+            confidence_head_with_markov=args.confidence_head_with_markov,
+            sliding_window_non_causal=args.sliding_window_non_causal,
+            verifier_name_or_path=args.verifier_name_or_path,
+            verifier_architectures=tuple(verifier.get("architectures") or ()),
+        )
+    except ValueError as e:
+        raise ConfigError(f"draft config from {source}: {e}") from None
+
+
+def _vocab_maps(args: TrainArgs, vocab_size: int):
+    from dspark_jax.vocab import VocabError
+
+    try:
+        return resolve_vocab_maps(
+            args.data_path,
+            draft_vocab_size=args.draft_vocab_size,
+            verifier_vocab_size=vocab_size,
+            d2t_path=args.d2t_path,
+            t2d_path=args.t2d_path,
+            token_freq_path=args.token_freq_path,
+        )
+    except VocabError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _pretrained(args: TrainArgs) -> DraftSetup:
+    from converters import orbax_io
+
+    path = Path(args.from_pretrained)
+    if not path.is_dir():
+        raise ConfigError(f"--from-pretrained {path}: not a local folder")
+    steps = []
+    try:
+        steps = orbax_io.list_steps(path)
+    except orbax_io.CheckpointError:
+        pass
+    has_weights = any(
+        (path / n).exists() for n in ("model.safetensors", "model.safetensors.index.json")
+    )
+    if steps:
+        loaded = orbax_io.load_params(path, "latest")
+        maps = orbax_io.load_checkpoint_vocab_maps(path, loaded.cfg, args.d2t_path, args.t2d_path)
+        return DraftSetup(
+            loaded.cfg, maps, loaded.params, f"Orbax checkpoint {path} step {loaded.step}"
+        )
+    if has_weights:
+        from converters.importer import ImportFolderError, import_folder
+
+        with tempfile.TemporaryDirectory(prefix="dspark_import_") as tmp:
+            try:
+                result = import_folder(
+                    path, Path(tmp) / "ckpt", verifier_path=args.verifier_name_or_path
+                )
+            except ImportFolderError as e:
+                raise ConfigError(f"--from-pretrained: {e}") from None
+            maps = orbax_io.load_checkpoint_vocab_maps(Path(tmp) / "ckpt", result.cfg)
+            params = jax_host_copy(result.params)
+        return DraftSetup(result.cfg, maps, params, f"speculators folder {path}")
+    if (path / "config.json").exists():
+        try:
+            cfg = DSparkConfig.load_json(path)
+        except ValueError as e:
+            raise ConfigError(f"--from-pretrained: {e}") from None
+        if not cfg.verifier_name_or_path:
+            cfg = cfg.replace(verifier_name_or_path=args.verifier_name_or_path)
+        maps = _vocab_maps(args, cfg.vocab_size) if cfg.uses_draft_vocab else None
+        return DraftSetup(cfg, maps, None, f"config-only folder {path} (fresh weights)")
+    raise ConfigError(
+        f"--from-pretrained {path}: neither an Orbax checkpoint, a speculators folder "
+        "(config.json + model.safetensors) nor a config.json folder"
+    )
+
+
+def jax_host_copy(params: nnx.State) -> nnx.State:
+    return nnx.from_flat_state(
+        [(p, v.replace(np.asarray(v[...]))) for p, v in nnx.to_flat_state(params)]
+    )
+
+
+def _check_pretrained_flags(args: TrainArgs, cfg: DSparkConfig) -> None:
+    for dest, field in MODEL_FLAGS.items():
+        if not args.provided(dest):
+            continue
+        want = args.values[dest]
+        have = getattr(cfg, field)
+        if dest == "target_layer_ids":
+            want = tuple(want)
+        if want != have:
+            raise ConfigError(
+                f"--{dest.replace('_', '-')} {want} conflicts with the --from-pretrained "
+                f"drafter's {field}={have}; remove the flag or start from another drafter"
+            )
+
+
+def build_draft(args: TrainArgs) -> DraftSetup:
+    """The run's drafter: config, vocab maps and (optional) starting weights."""
+    verifier = read_verifier_config(args.verifier_name_or_path)
+    if args.from_pretrained:
+        setup = _pretrained(args)
+        _check_pretrained_flags(args, setup.cfg)
+        if setup.cfg.vocab_size != int(verifier["vocab_size"]) or setup.cfg.hidden_size != int(
+            verifier["hidden_size"]
+        ):
+            raise ConfigError(
+                f"--from-pretrained drafter (vocab {setup.cfg.vocab_size}, hidden "
+                f"{setup.cfg.hidden_size}) does not fit the verifier (vocab "
+                f"{verifier['vocab_size']}, hidden {verifier['hidden_size']})"
+            )
+        if setup.cfg.mask_token_id is None:
+            setup.cfg = setup.cfg.replace(
+                mask_token_id=resolve_mask_token_id(args, setup.cfg.vocab_size)
+            )
+        setup.cfg = setup.cfg.replace(verifier_name_or_path=args.verifier_name_or_path)
+        return setup
+    maps = _vocab_maps(args, int(verifier["vocab_size"]))
+    cfg = _fresh_config(args, verifier, maps)
+    source = "--draft-config " + args.draft_config if args.draft_config else "the verifier config"
+    return DraftSetup(cfg, maps, None, source)

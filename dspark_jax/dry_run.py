@@ -1,0 +1,116 @@
+"""``--dry-run``: build and initialise the drafter, save it, report what the run needs.
+
+Like the reference (``cli.py``: "persist an initialized checkpoint and exit before
+training"), the initialised drafter is written to ``--save-path`` as a speculators
+folder (``config.json`` + ``model.safetensors`` in ``--hidden-states-dtype``), which
+``--from-pretrained`` accepts. The report adds what a JAX run needs to know before it
+starts: the resolved geometry, the Muon/AdamW split, the mesh and rows per step, the
+state of the data, and the settings that need the online transport (not built yet).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dspark_jax import cli, draft_init, optim
+from dspark_jax.data.files import DataError, PreparedDataset, hs_path
+from dspark_jax.verifier import load_verifier_tensors
+
+if TYPE_CHECKING:
+    from dspark_jax.train import Trainer
+
+
+def missing_hidden_states(args: cli.TrainArgs) -> tuple[int, list[int]]:
+    """(rows of the prepared dataset, the rows without an ``hs_{i}.safetensors``)."""
+    hs = draft_init.hidden_states_dir(args)
+    n = len(PreparedDataset(Path(args.data_path)))
+    have = set(os.listdir(hs)) if hs.is_dir() else set()
+    return n, [i for i in range(n) if hs_path(hs, i).name not in have]
+
+
+def _data_report(args: cli.TrainArgs) -> str:
+    data = Path(args.data_path)
+    if not data.is_dir():
+        return f"data: {data} does not exist (yet)"
+    try:
+        n, missing = missing_hidden_states(args)
+    except (DataError, OSError) as e:
+        return f"data: {data}: {e}"
+    hs = draft_init.hidden_states_dir(args)
+    return f"data: {n} rows in {data}; {len(missing)} without a hidden-state file in {hs}"
+
+
+def dry_run(trainer: Trainer) -> int:
+    args, cfg = trainer.args, trainer.cfg
+    save = Path(args.save_path)
+    if trainer.is_main:
+        args.save(save)
+    _, abstract = trainer._abstract()
+    # On one device: the weights go to the host anyway, and a mesh would generate
+    # every replicated parameter once per device.
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    host = draft_init.jax_host_copy(trainer.init_params(jax.tree.map(lambda _: one, abstract)))
+    keys = set(optim.muon_param_keys(host)) if args.optimizer == "muon" else set()
+    sizes = {p: int(np.prod(v[...].shape)) for p, v in nnx.to_flat_state(host)}
+    total = sum(sizes.values())
+    n_muon = sum(n for p, n in sizes.items() if optim.leaf_key(p)[0] in keys)
+    lines = [
+        (
+            f"drafter from {trainer.setup.source}: {cfg.num_hidden_layers} layers, hidden "
+            f"{cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x "
+            f"{cfg.head_dim}, mlp {cfg.intermediate_size}, layer types "
+            f"{list(cfg.layer_types or [])}, window {cfg.sliding_window}"
+        ),
+        (
+            f"vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}, block "
+            f"{cfg.block_size}, aux layers {list(cfg.aux_hidden_state_layer_ids)}, mask token "
+            f"{cfg.mask_token_id}, markov {cfg.markov_head_type} rank {cfg.markov_rank}, "
+            f"confidence head {cfg.enable_confidence_head}"
+        ),
+        (
+            f"trainable parameters: {total:,} ({args.optimizer}: Muon {n_muon:,} in "
+            f"{len(keys)} matrices, AdamW {total - n_muon:,})"
+        ),
+        (
+            f"mesh {dict(trainer.mesh.shape)} over {trainer.mesh.size} devices "
+            f"({jax.process_count()} processes); {trainer.rows_per_step} packed rows of "
+            f"{args.total_seq_len} tokens per step"
+        ),
+        _data_report(args),
+    ]
+    needs = cli.online_transport_needs(args)
+    if needs:
+        lines.append(
+            "needs the online transport (not built yet in dspark_jax): " + ", ".join(needs)
+        )
+    if not trainer.is_main:
+        return 0
+    from converters.check import check_folder
+    from converters.export import export_params
+
+    maps = trainer.setup.vocab_maps
+    lm_head = None
+    if cfg.uses_draft_vocab:
+        lm_head = load_verifier_tensors(args.verifier_name_or_path, maps[1]).lm_head
+    # Written beside run.yaml (and any checkpoints) in --save-path, not over them.
+    with tempfile.TemporaryDirectory(dir=save.parent) as tmp:
+        export_params(cfg, host, Path(tmp) / "draft", dtype=args.hidden_states_dtype,
+                      vocab_maps=maps, lm_head=lm_head, target="speculators")  # fmt: skip
+        for f in (Path(tmp) / "draft").iterdir():
+            shutil.move(str(f), save / f.name)
+    report = check_folder(save, target="vllm")
+    check = "vLLM check: ok" if report.ok else "vLLM check fails: " + "; ".join(report.errors)
+    lines.append(
+        f"saved the initialised drafter to {save} (config.json + model.safetensors); {check}"
+    )
+    for line in lines:
+        print(f"[dry-run] {line}", flush=True)
+    return 0

@@ -1,0 +1,637 @@
+"""``python -m dspark_jax.train``: train a DSpark drafter like ``speculators train`` 0.9.0.
+
+Flags: :mod:`dspark_jax.cli` (the reference's, plus ``--mesh``, ``--rows-per-step``,
+``jax.distributed`` and checkpoint retention). Without arguments it trains the demo
+(``configs/demo/train.yaml``).
+
+The loop, top to bottom (reference: ``speculators/train/trainer.py``):
+
+* the drafter's config and starting weights (:mod:`dspark_jax.draft_init`), the
+  frozen verifier tensors, the packed data (:mod:`dspark_jax.data.pipeline`);
+* trainable params (fp32) and optimiser state (:mod:`dspark_jax.optim`) live as
+  sharded arrays on the mesh (:mod:`dspark_jax.parallel`); one ``jax.jit`` step with
+  explicit in/out shardings and the state donated: loss, grads, clip, update;
+* one optimizer step per batch of ``--rows-per-step`` packed rows; anchors of step
+  ``s`` come from ``fold_in(key(seed), s)``, so a resumed run draws the same ones;
+* every ``--log-freq`` steps a metrics record with the reference's names (JSONL,
+  TensorBoard, console line); validation after every epoch (and when training
+  stops at ``--max-steps``); Orbax checkpoints by the reference's rules
+  (``--checkpoint-freq``, ``--save-best``), keeping the newest ``--keep-checkpoints``
+  and the best one; resume from the latest unless ``--no-resume-from-checkpoint``;
+* SIGTERM/SIGINT (or a preemption notice seen by ``jax.distributed``): finish the
+  step, save, exit 0. A second signal kills at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from converters.orbax_io import FORMAT as CHECKPOINT_FORMAT  # what the converters read
+from dspark_jax import cli, draft_init, optim, parallel
+from dspark_jax.checkpoint import Checkpointer
+from dspark_jax.cli import ConfigError, TrainArgs
+from dspark_jax.data.files import DataError
+from dspark_jax.data.pipeline import PackedData
+from dspark_jax.dry_run import dry_run, missing_hidden_states
+from dspark_jax.metrics_log import MetricsLog, Progress, normalize_counted_metrics
+from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
+from dspark_jax.verifier import load_verifier_tensors
+
+log = logging.getLogger("dspark_jax.train")
+
+MIN_STEP_PCT = 0.25  # trainer.py: no mid-epoch save this close to the epoch end
+VAL_STREAM = 2**31 - 1  # fold_in tag of the validation anchors' key stream
+OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW"}  # the reference logs type(opt).__name__
+
+
+class Interrupted:
+    """SIGTERM/SIGINT -> a flag the loop checks between steps; a second signal kills."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        del frame
+        self.signal = signal.Signals(signum).name
+        log.warning(
+            "received %s: saving a checkpoint after this step (send again to exit now)", self.signal
+        )
+        self.restore()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
+def _put(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array (the same on every process) -> a global sharded array."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def _with_shardings(abstract, shardings):
+    """ShapeDtypeStructs carrying the target shardings (an Orbax restore target)."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings
+    )
+
+
+def _run_name(template: str | None) -> str:
+    now = datetime.datetime.now()
+    name = template or "{time}"
+    for key, value in {
+        "{time}": now.isoformat(timespec="seconds"),
+        "{utc_time}": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "{rank}": str(jax.process_index()),
+        "{local_rank}": "0",
+    }.items():
+        name = name.replace(key, value)
+    return name
+
+
+class Trainer:
+    def __init__(
+        self,
+        args: TrainArgs,
+        *,
+        devices: list | None = None,
+        step_callback: Callable[[Trainer], None] | None = None,
+    ):
+        self.args = args
+        self.step_callback = step_callback
+        self.is_main = jax.process_index() == 0
+        self.setup = draft_init.build_draft(args)
+        self.cfg = self.setup.cfg
+        self.dtype = jnp.bfloat16 if args.hidden_states_dtype == "bfloat16" else jnp.float32
+        self.mesh = parallel.make_mesh(args.mesh, devices)
+        if args.fsdp_shard and self.mesh.shape["fsdp"] == 1 and self.mesh.size > 1:
+            raise ConfigError(f"--fsdp-shard with --mesh {args.mesh}: the mesh has no fsdp axis")
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.rows_per_step = args.rows_per_step or shards
+        nproc = jax.process_count()
+        if self.rows_per_step % shards or self.rows_per_step % nproc:
+            raise ConfigError(
+                f"--rows-per-step {self.rows_per_step} must be a multiple of data x fsdp = "
+                f"{shards} (mesh {dict(self.mesh.shape)}) and of the {nproc} processes"
+            )
+        self.settings = LossSettings.from_loss_fn(
+            args.loss_fn,
+            num_anchors=args.max_anchors,
+            gamma=args.dflash_decay_gamma,
+            confidence_head_alpha=args.confidence_head_alpha,
+            per_position_loss_weight=args.per_position_loss_weight,
+            dpace_alpha=args.dpace_alpha,
+            vocab_chunk_tokens=args.loss_chunk_tokens,
+        )
+
+    # ------------------------------------------------------------------ model
+    def _abstract(self):
+        model = nnx.eval_shape(
+            lambda: DSparkDraftModel(
+                self.cfg, rngs=nnx.Rngs(0), dtype=self.dtype, remat=self.args.gradient_checkpointing
+            )
+        )
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise RuntimeError("DSparkDraftModel has non-parameter state; the trainer expects none")
+        return graphdef, params
+
+    def init_params(self, shardings) -> nnx.State:
+        """Fresh (seeded, sharded at birth) or the --from-pretrained weights."""
+        if self.setup.params is not None:
+            return jax.tree.map(_put, self.setup.params, shardings)
+        cfg, dtype, remat, seed = (
+            self.cfg,
+            self.dtype,
+            self.args.gradient_checkpointing,
+            self.args.seed,
+        )
+
+        def init():
+            model = DSparkDraftModel(cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat)
+            return nnx.state(model, nnx.Param)
+
+        return jax.jit(init, out_shardings=shardings)()
+
+    def load_frozen(self) -> FrozenWeights:
+        maps = self.setup.vocab_maps
+        vt = load_verifier_tensors(
+            self.args.verifier_name_or_path, None if maps is None else maps[1]
+        )
+        head = vt.lm_head.T  # [H, Vd] kernel layout
+        frozen = FrozenWeights(vt.embed_tokens, head, head, vt.norm)
+        try:
+            frozen.check(self.cfg)
+        except ValueError as e:
+            raise ConfigError(
+                f"verifier {self.args.verifier_name_or_path} does not fit the drafter: {e}"
+            ) from None
+        sh = parallel.frozen_shardings(frozen, self.mesh)
+        head_dev = _put(head, sh.lm_head)
+        return FrozenWeights(
+            _put(vt.embed_tokens, sh.embed_tokens),
+            head_dev,
+            head_dev,
+            _put(vt.norm, sh.verifier_norm),
+        )
+
+    # ------------------------------------------------------------------ data
+    def _check_offline_files(self) -> None:
+        """--on-missing generate with files missing would need the online transport."""
+        args = self.args
+        cli.check_backend_usable(args)
+        if args.on_missing != "generate":
+            return
+        n, missing = missing_hidden_states(args)
+        if missing:
+            raise ConfigError(
+                f"{len(missing)} of {n} rows have no hidden-state file in "
+                f"{draft_init.hidden_states_dir(args)} (first: hs_{missing[0]}.safetensors); "
+                f"--on-missing generate {cli.ONLINE_MISSING}, or pass --on-missing skip|warn"
+            )
+
+    def open_data(self) -> PackedData:
+        args, cfg = self.args, self.cfg
+        self._check_offline_files()
+        data = PackedData(
+            args.data_path,
+            draft_init.hidden_states_dir(args),
+            total_seq_len=args.total_seq_len,
+            n_aux=cfg.num_aux_layers,
+            hidden_size=cfg.verifier_hidden_size,
+            train_data_ratio=args.train_data_ratio,
+            rows_per_process=self.rows_per_step // jax.process_count(),
+            seed=args.seed,
+            on_missing="raise" if args.on_missing == "generate" else args.on_missing,
+            hidden_states_dtype=args.hidden_states_dtype,
+            aux_hidden_state_layer_ids=cfg.aux_hidden_state_layer_ids,
+        )
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            digest = np.frombuffer(data.plan("train", 0).digest().encode(), np.uint8)
+            multihost_utils.assert_equal(digest, "the processes planned different batches")
+        return data
+
+    # ------------------------------------------------------------------ steps
+    def _compile(self, graphdef, state_sh, frozen_sh):
+        settings, tx = self.settings, self.tx
+        base_key = jax.random.key(self.args.seed)
+
+        def train_step(state, frozen, batch, step):
+            key = jax.random.fold_in(base_key, step)
+
+            def loss_fn(params):
+                return batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
+
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+            updates, opt = tx.update(grads, state["opt"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            metrics = dict(metrics)
+            metrics["error_records_sum"] = jnp.sum(batch["error_records"]).astype(jnp.float32)
+            metrics["error_records_total"] = jnp.float32(1.0)
+            return {"params": params, "opt": opt}, metrics
+
+        def eval_step(params, frozen, batch, epoch, index):
+            key = jax.random.fold_in(
+                jax.random.fold_in(jax.random.fold_in(base_key, VAL_STREAM), epoch), index
+            )
+            _, metrics = batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
+            return metrics
+
+        replicated = NamedSharding(self.mesh, P())  # metrics: readable on every process
+        self.train_step = jax.jit(
+            train_step,
+            in_shardings=(state_sh, frozen_sh, None, None),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            eval_step,
+            in_shardings=(state_sh["params"], frozen_sh, None, None, None),
+            out_shardings=replicated,
+        )
+
+    def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return parallel.global_batch(batch, self.mesh)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self, reason: str, metrics: dict[str, float] | None) -> dict[str, Any]:
+        it = self.train_it
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.global_step,
+            "config": self.cfg.to_speculators_dict(),
+            "global_step": self.global_step,
+            "epoch": it.epoch,
+            "step_in_epoch": it.step,
+            "reason": reason,
+            "best_val_loss": None if math.isinf(self.best_val_loss) else self.best_val_loss,
+            "best_step": self.ckpt.best_step,
+            "seed": self.args.seed,
+            "rows_per_step": self.rows_per_step,
+        }
+        if metrics is not None:
+            meta["metrics"] = metrics
+        if self.setup.vocab_maps is not None:
+            vd = self.cfg.draft_vocab_size
+            meta["vocab_maps"] = {"d2t": f"d2t-{vd}.npy", "t2d": f"t2d-{vd}.npy"}
+        return meta
+
+    def save(self, reason: str, metrics: dict[str, float] | None = None) -> None:
+        step = self.global_step
+        if step in self.saved_steps:
+            return
+        state = {"params": nnx.to_pure_dict(self.state["params"]), "opt": self.state["opt"]}
+        self.ckpt.save(step, state, self._meta(reason, metrics), self.train_it, force=True)
+        self.saved_steps.add(step)
+        log.info("checkpoint (%s) at step %d -> %s/%d", reason, step, self.ckpt.directory, step)
+
+    def restore(self, abstract_state) -> None:
+        step = self.ckpt.latest_step()
+        meta = self.ckpt.meta(step)
+        saved_cfg, cfg = meta.get("config") or {}, self.cfg.to_speculators_dict()
+        if saved_cfg != cfg:
+            diff = sorted(k for k in set(saved_cfg) | set(cfg) if saved_cfg.get(k) != cfg.get(k))
+            raise ConfigError(
+                f"{self.ckpt.directory}/{step} was written for another drafter config (fields "
+                f"{diff} differ); resume with the same flags, pass --no-resume-from-checkpoint, "
+                "or use another --save-path"
+            )
+        for key, value in (("rows_per_step", self.rows_per_step), ("seed", self.args.seed)):
+            if meta.get(key) != value:
+                raise ConfigError(
+                    f"{self.ckpt.directory}/{step} was written with {key}={meta.get(key)}, this run "
+                    f"has {value}; exact resume needs the same value (or --no-resume-from-checkpoint)"
+                )
+        restored, meta = self.ckpt.restore(step, abstract_state, self.train_it)
+        params = jax.tree.map(lambda x: x, self._abstract_params)
+        nnx.replace_by_pure_dict(params, restored["params"])
+        self.state = {"params": params, "opt": restored["opt"]}
+        self.global_step = int(meta["global_step"])
+        self.best_val_loss = meta.get("best_val_loss") or float("inf")
+        self.ckpt.best_step = meta.get("best_step")
+        self.saved_steps.add(step)
+        log.info(
+            "resumed from %s/%d: epoch %d, step %d of the epoch, global step %d",
+            self.ckpt.directory,
+            step,
+            self.train_it.epoch,
+            self.train_it.step,
+            self.global_step,
+        )
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, epoch: int) -> dict[str, float] | None:
+        it = self.data.val_iterator(
+            epoch=epoch, num_workers=self.args.num_workers, prefetch=self.args.prefetch_factor
+        )
+        acc = None
+        try:
+            for i, batch in enumerate(it):
+                batch.pop("error_records")
+                m = self.eval_step(
+                    self.state["params"],
+                    self.frozen,
+                    self._global(batch),
+                    jnp.int32(epoch),
+                    jnp.int32(i),
+                )
+                acc = m if acc is None else jax.tree.map(jnp.add, acc, m)
+        finally:
+            it.close()
+        if acc is None:
+            return None
+        val = normalize_counted_metrics({k: float(v) for k, v in jax.device_get(acc).items()})
+        val = {f"{k}_epoch": v for k, v in val.items()}
+        self.metrics.log(
+            {"val": val, "epoch": epoch, "global_step": self.global_step}, self.global_step
+        )
+        self.progress.message(
+            f"validation epoch {epoch}: loss {val.get('loss_epoch', float('nan')):.4f}, "
+            f"accept_len {val.get('accept_len_epoch', float('nan')):.3f}"
+        )
+        return val
+
+    def end_of_epoch(self, epoch: int) -> None:
+        """Validate, then checkpoint by the reference's rules (trainer.run_training)."""
+        args = self.args
+        val = self.validate(epoch)
+        loss = None if val is None else val.get("loss_epoch")
+        improved = loss is not None and loss < self.best_val_loss
+        if args.save_best:
+            should_save = improved
+        elif args.checkpoint_freq >= 1:
+            should_save = epoch == 0 or (epoch + 1) % int(args.checkpoint_freq) == 0
+        else:
+            should_save = True
+        if should_save and improved:
+            self.best_val_loss = loss
+            self.ckpt.best_step = self.global_step
+        if should_save:
+            metrics = {k.removesuffix("_epoch"): v for k, v in val.items()} if val else None
+            self.save("epoch_end", metrics)
+        # Step timings restart after validation and saving.
+        self._window = {"t": time.perf_counter(), "steps": 0, "tokens": 0, "fetch": 0.0}
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        args = self.args
+        if args.dry_run:
+            return dry_run(self)
+        self.data = self.open_data()
+        graphdef, abstract = self._abstract()
+        self._abstract_params = abstract
+        param_sh = parallel.state_shardings(abstract, self.mesh)
+        steps0 = self.data.steps_per_epoch("train", 0)
+        total = args.max_steps if args.max_steps is not None else args.epochs * steps0
+        self.total_steps = total
+        self.tx, self.schedules = optim.build_optimizer_from_flags(abstract, args.values, total)
+        opt_sh = parallel.state_shardings(jax.eval_shape(self.tx.init, abstract), self.mesh)
+        state_sh = {"params": param_sh, "opt": opt_sh}
+        self.frozen = self.load_frozen()
+        frozen_sh = jax.tree.map(lambda x: x.sharding, self.frozen)
+        self._compile(graphdef, state_sh, frozen_sh)
+
+        self.ckpt = Checkpointer(args.save_path, max_to_keep=args.keep_checkpoints)
+        self.saved_steps: set[int] = set()
+        self.global_step, self.best_val_loss = 0, float("inf")
+        self.train_it = self.data.train_iterator(
+            num_epochs=args.epochs, num_workers=args.num_workers, prefetch=args.prefetch_factor
+        )
+        run_dir = Path(args.log_dir) / _run_name(args.run_name)
+        loggers = [x.strip() for x in args.logger.split(",") if x.strip()]
+        self.metrics = MetricsLog(run_dir, loggers, enabled=self.is_main)
+        self.progress = Progress(total, enabled=self.is_main)
+        try:
+            if self.ckpt.all_steps() and args.no_resume_from_checkpoint:
+                log.warning(
+                    "--no-resume-from-checkpoint: deleting the checkpoints in %s", args.save_path
+                )
+                self.ckpt.delete_all()
+            if self.ckpt.all_steps():
+                self.restore({
+                    "params": nnx.to_pure_dict(_with_shardings(abstract, param_sh)),
+                    "opt": _with_shardings(jax.eval_shape(self.tx.init, abstract), opt_sh),
+                })  # fmt: skip
+            else:
+                params = self.init_params(param_sh)
+                opt = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
+                self.state = {"params": params, "opt": opt}
+            if self.is_main:  # the resolved config beside the checkpoints
+                args.save(args.save_path)
+                self.cfg.save_json(Path(args.save_path) / "config.json")
+                if self.setup.vocab_maps is not None:
+                    from converters.orbax_io import save_checkpoint_vocab_maps
+
+                    save_checkpoint_vocab_maps(args.save_path, self.cfg, *self.setup.vocab_maps)
+            self.metrics.hparams(args.as_dict(), self.global_step)
+            log.info(
+                "training a drafter from %s: %d steps (%d per epoch, %d rows of %d tokens), "
+                "mesh %s, metrics %s",
+                self.setup.source,
+                total,
+                steps0,
+                self.rows_per_step,
+                args.total_seq_len,
+                dict(self.mesh.shape),
+                self.metrics.path,
+            )
+            return self.loop()
+        finally:
+            self.train_it.close()
+            self.ckpt.close()
+            self.metrics.close()
+
+    def loop(self) -> int:
+        args = self.args
+        interrupted = Interrupted()
+        distributed = jax.process_count() > 1
+        if not distributed:  # with jax.distributed, JAX's preemption notifier owns SIGTERM
+            interrupted.install()
+        self.progress.start(self.global_step)
+        self._window = {"t": time.perf_counter(), "steps": 0, "tokens": 0, "fetch": 0.0}
+        stopped_at_max = False
+        try:
+            while args.max_steps is None or self.global_step < args.max_steps:
+                it = self.train_it
+                if it.epoch >= args.epochs:
+                    break
+                epoch, steps_in_epoch, step_in_epoch = it.epoch, it.steps_in_epoch, it.step
+                t0 = time.perf_counter()
+                batch = next(it)
+                w = self._window
+                w["fetch"] += time.perf_counter() - t0
+                w["tokens"] += int(np.sum(batch["document_ids"] != -1)) * jax.process_count()
+                w["steps"] += 1
+                self.state, metrics = self.train_step(
+                    self.state, self.frozen, self._global(batch), jnp.int32(self.global_step)
+                )
+                if self.global_step % args.log_freq == 0:
+                    self._log_step(epoch, step_in_epoch + 1, steps_in_epoch, metrics)
+                self.global_step += 1
+                local_step = step_in_epoch + 1
+                if self.step_callback is not None:
+                    self.step_callback(self)
+                if args.max_steps is not None and self.global_step >= args.max_steps:
+                    stopped_at_max = local_step < steps_in_epoch
+                    if not stopped_at_max:
+                        self.end_of_epoch(epoch)
+                    break
+                if args.checkpoint_freq < 1 and not args.save_best and local_step < steps_in_epoch:
+                    interval = max(1, round(steps_in_epoch * args.checkpoint_freq))
+                    if (
+                        local_step % interval == 0
+                        and steps_in_epoch - local_step >= interval * MIN_STEP_PCT
+                    ):
+                        self.save("mid_epoch")
+                if local_step == steps_in_epoch:
+                    self.end_of_epoch(epoch)
+                preempted = self.ckpt.reached_preemption(self.global_step) if distributed else False
+                if interrupted.signal or preempted:
+                    self.save("interrupted")
+                    self.ckpt.wait()
+                    self.progress.message(
+                        f"interrupted ({interrupted.signal or 'preemption'}) at step "
+                        f"{self.global_step}: checkpoint saved in {args.save_path}; run the same "
+                        "command to resume"
+                    )
+                    return 0
+            if stopped_at_max:
+                self.end_of_epoch(self.train_it.epoch)
+        finally:
+            interrupted.restore()
+        self.ckpt.wait()
+        self.progress.message(
+            f"training done at step {self.global_step}; checkpoints in {args.save_path}"
+        )
+        return 0
+
+    def _log_step(self, epoch, local_step, steps_in_epoch, metrics) -> None:
+        """One metrics record. ``profile`` averages over the steps since the last record
+        (the steps in between are dispatched without waiting); tokens of all processes."""
+        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        train = normalize_counted_metrics(host)
+        now, w = time.perf_counter(), self._window
+        elapsed = max(now - w["t"], 1e-9)
+        profile = {
+            "fetch_ms": 1e3 * w["fetch"] / w["steps"],
+            "step_ms": 1e3 * elapsed / w["steps"],
+            "tokens_per_s": w["tokens"] / elapsed,
+            "fetch_frac": w["fetch"] / elapsed,
+        }
+        self._window = {"t": now, "steps": 0, "tokens": 0, "fetch": 0.0}
+        lrs = {OPTIMIZER_NAMES[g]: float(s(self.global_step)) for g, s in self.schedules.items()}
+        lr_info = lrs if len(lrs) > 1 else next(iter(lrs.values()))
+        record = {
+            "train": train,
+            "profile": profile,
+            "epoch": epoch,
+            "lr": lr_info,
+            "global_step": self.global_step,
+        }
+        self.metrics.log(record, self.global_step)
+        self.progress.update(
+            self.global_step + 1,
+            epoch,
+            local_step,
+            steps_in_epoch,
+            train,
+            next(iter(lrs.values())),
+            profile["tokens_per_s"],
+        )
+
+
+def run(
+    args: TrainArgs,
+    *,
+    devices: list | None = None,
+    step_callback: Callable[[Trainer], None] | None = None,
+) -> int:
+    """Train (or --dry-run) with resolved args; returns the exit status."""
+    return Trainer(args, devices=devices, step_callback=step_callback).run()
+
+
+def demo_data_missing(args: TrainArgs) -> str | None:
+    """Why the demo cannot start (its verifier or data is missing), or None."""
+    missing = [p for p in (args.verifier_name_or_path, args.data_path) if not Path(p).exists()]
+    if not missing:
+        return None
+    return (
+        f"the demo needs {', '.join(missing)}, which do not exist yet; create them with:\n"
+        f"    {cli.DEMO_PREPARE_COMMAND}\n"
+        "then run `python -m dspark_jax.train` again (or pass your own --verifier-name-or-path "
+        "and --data-path; see --help)"
+    )
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Our messages on stderr (the root logger is already claimed by a dependency's import)."""
+    logger = logging.getLogger("dspark_jax")
+    if not any(getattr(h, "_dspark", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler._dspark = True
+        handler.setFormatter(
+            logging.Formatter("[%(asctime)s] %(levelname)s %(message)s", "%H:%M:%S")
+        )
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    from dspark_jax.vocab import VocabError
+
+    try:
+        args = cli.resolve(argv)
+        if args.demo:
+            why = demo_data_missing(args)
+            if why:
+                print(f"error: {why}", file=sys.stderr)
+                return 2
+        if args.deterministic_cuda:
+            os.environ["XLA_FLAGS"] = (
+                os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"
+            ).strip()
+        parallel.initialize_distributed(
+            args.coordinator_address, args.num_processes, args.process_id
+        )
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (DataError, VocabError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Fixtures for the trainer tests: a tiny verifier folder, tiny prepared data, flags.
+
+JAX compilations are cached on disk for the session (and handed to subprocesses), so
+runs with the same shapes compile once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.data.conftest import make_tiny_data, write_safetensors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    path = os.environ.get("DSPARK_TEST_JAX_CACHE") or str(tmp_path_factory.mktemp("jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def write_verifier(
+    folder,
+    *,
+    vocab=1024,
+    hidden=8,
+    layers=4,
+    heads=2,
+    kv=1,
+    head_dim=4,
+    intermediate=16,
+    seed=0,
+    tokenizer=False,
+    **config,
+) -> Path:
+    """A Qwen3-shaped verifier: config.json + the three tensors the drafter reads."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    cfg.update(config)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(seed)
+    bf16 = ml_dtypes.bfloat16
+    # The first 32 rows (the learnable data's alphabet) dominate the head: peaked targets.
+    head = rng.standard_normal((vocab, hidden)) * 0.1
+    head[:32] *= 10.0
+    write_safetensors(
+        folder / "model.safetensors",
+        {
+            "model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(bf16),
+            "lm_head.weight": head.astype(bf16),
+            "model.norm.weight": np.full(hidden, 2.0, bf16),
+        },
+        {"format": "pt"},
+    )
+    if tokenizer:
+        vocab_map = {f"t{i}": i for i in range(vocab - 4)}
+        (folder / "tokenizer.json").write_text(
+            json.dumps(
+                {
+                    "model": {"vocab": vocab_map},
+                    "added_tokens": [{"id": vocab - 4, "content": "<|eos|>"}],
+                }
+            )
+        )
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def verifier(tmp_path_factory) -> Path:
+    return write_verifier(tmp_path_factory.mktemp("verifier"))
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    return make_tiny_data(tmp_path_factory.mktemp("train_data"), n_docs=40, max_len=30)
+
+
+def tiny_argv(verifier: Path, data, save: Path, **over) -> list[str]:
+    """A 1-layer drafter on the tiny data (hidden 8, 2 aux layers, S=64)."""
+    flags = {
+        "verifier-name-or-path": str(verifier),
+        "data-path": str(data.data_path),
+        "save-path": str(save / "ckpt"),
+        "log-dir": str(save / "logs"),
+        "run-name": "run",
+        "target-layer-ids": ["1", "2"],
+        "mask-token-id": "1023",
+        "total-seq-len": "64",
+        "max-anchors": "6",
+        "block-size": "4",
+        "num-layers": "1",
+        "markov-rank": "4",
+        "epochs": "2",
+        "optimizer": "adamw",
+        "lr": "1e-2",
+        "train-data-ratio": "0.75",
+        "num-workers": "0",
+        "prefetch-factor": "2",
+        "loss-fn": '{"ce": 0.1, "tv": 0.9}',
+        "hidden-states-dtype": "float32",
+        "on-missing": "raise",
+        "loss-chunk-tokens": "8",
+        "rows-per-step": "4",
+    }
+    flags.update({k.replace("_", "-"): v for k, v in over.items()})
+    argv = []
+    for k, v in flags.items():
+        if v is None:
+            continue
+        if v is True:
+            argv.append(f"--{k}")
+        elif isinstance(v, list):
+            argv += [f"--{k}", *v]
+        else:
+            argv += [f"--{k}", str(v)]
+    return argv
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def child_env(cache: str) -> dict[str, str]:
+    """The parent's environment (same XLA flags: compilations are found in the cache)."""
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_COMPILATION_CACHE_DIR"] = cache
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+PYTHON = sys.executable
+
+
+def make_learnable_data(root, verifier: Path, *, n_docs=80, n_aux=2, hidden=8, alphabet=32, seed=0):
+    """Prepared data + hidden states a drafter can learn: each document follows
+    ``next = (5 t + 3) % alphabet``, the aux layers hold the token's verifier embedding
+    and the last layer points the verifier head at the next token."""
+    from safetensors.numpy import load_file
+
+    from tests.data.conftest import TinyData, write_hs, write_prepared_dataset
+
+    rng = np.random.default_rng(seed)
+    tensors = load_file(str(Path(verifier) / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"].astype(np.float32)
+    head = tensors["lm_head.weight"].astype(np.float32)
+    root = Path(root)
+    data_path, hs = root / "prepared", root / "prepared" / "hidden_states"
+    ids, masks, hidden_states = [], [], []
+    for n in rng.integers(6, 31, n_docs):
+        toks = [int(rng.integers(alphabet))]
+        for _ in range(n - 1):
+            toks.append((5 * toks[-1] + 3) % alphabet)
+        toks = np.asarray(toks, np.int64)
+        nxt = (5 * toks + 3) % alphabet
+        aux = [embed[toks], embed[nxt] * 0.5][:n_aux]
+        last = head[nxt] * 4.0
+        h = np.stack([*aux, last], axis=1) + 0.05 * rng.standard_normal((n, n_aux + 1, hidden))
+        ids.append(toks)
+        m = np.ones(n, np.int64)
+        m[0] = 0
+        masks.append(m)
+        hidden_states.append(h.astype(ml_dtypes.bfloat16))
+    write_prepared_dataset(data_path, ids, masks)
+    hs.mkdir(parents=True)
+    for i in range(n_docs):
+        write_hs(hs, i, ids[i], hidden_states[i])
+    return TinyData(data_path, hs, ids, masks, hidden_states, n_aux, hidden, 64)

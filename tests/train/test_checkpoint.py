@@ -1,0 +1,88 @@
+"""dspark_jax.checkpoint.Checkpointer: composite save/restore, retention, meta."""
+
+from __future__ import annotations
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax import parallel
+from dspark_jax.checkpoint import Checkpointer, KeepLatestAndBest
+
+
+def _iterator(start=0):
+    it = iter(grain.MapDataset.range(10).to_iter_dataset())
+    for _ in range(start):
+        next(it)
+    return it
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_roundtrip_with_data_iterator_onto_another_mesh(tmp_path):
+    mesh = parallel.make_mesh("data=2,fsdp=4")
+    w = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("fsdp", None)))
+    state = {"params": {"layers": {0: {"w": w}}}, "opt": (jnp.int32(3), {"m": w * 2})}
+    ckpt = Checkpointer(tmp_path, max_to_keep=2)
+    it = _iterator(start=3)
+    assert ckpt.save(7, state, {"global_step": 7, "note": "x"}, it)
+    ckpt.wait()
+    assert ckpt.meta(7) == {"global_step": 7, "note": "x"}
+
+    other = parallel.make_mesh("fsdp=2,tensor=4")
+    sh = NamedSharding(other, P(None, "tensor"))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=sh if x.ndim else NamedSharding(other, P())
+        ),
+        state,
+    )
+    it2 = _iterator()
+    restored, meta = ckpt.restore(None, abstract, it2)
+    assert meta["global_step"] == 7 and next(it2) == 3
+    np.testing.assert_array_equal(
+        restored["params"]["layers"][0]["w"], np.arange(32.0).reshape(8, 4)
+    )
+    assert restored["params"]["layers"][0]["w"].sharding == sh
+    assert int(restored["opt"][0]) == 3
+    ckpt.close()
+
+
+def test_retention_keeps_the_newest_and_the_best(tmp_path):
+    ckpt = Checkpointer(tmp_path, max_to_keep=2, async_save=False, with_data=False)
+    for step in range(1, 6):
+        if step == 2:
+            ckpt.best_step = 2
+        ckpt.save(step, {"x": np.float32(step)}, {"step": step})
+    assert ckpt.all_steps() == [2, 4, 5]
+    ckpt.best_step = 5
+    ckpt.save(6, {"x": np.float32(6)}, {"step": 6})
+    assert ckpt.all_steps() == [5, 6]
+    ckpt.delete_all()
+    assert ckpt.all_steps() == [] and ckpt.latest_step() is None
+    ckpt.close()
+
+
+def test_policy_edge_cases():
+    class Info:
+        def __init__(self, step):
+            self.step = step
+
+    infos = [Info(s) for s in (3, 1, 2)]
+    assert KeepLatestAndBest(None).should_preserve(infos, context=None) == [True] * 3
+    assert KeepLatestAndBest(0, best_step=1).should_preserve(infos, context=None) == [
+        False,
+        True,
+        False,
+    ]
+    assert KeepLatestAndBest(1).should_preserve(infos, context=None) == [True, False, False]
+
+
+def test_restore_without_checkpoint_raises(tmp_path):
+    ckpt = Checkpointer(tmp_path, with_data=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint to restore"):
+        ckpt.restore(None, {"x": jax.ShapeDtypeStruct((), jnp.float32)})
+    ckpt.close()

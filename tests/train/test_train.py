@@ -1,0 +1,227 @@
+"""Training runs on the learnable tiny data: loss, metric records, checkpoints, the
+8-device mesh, exact resume after SIGTERM.
+
+One baseline run (1 device, Muon, 3 epochs of 5 steps) is shared by the tests; the
+others reuse its compilations through the persistent cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax import cli, train
+from tests.train.conftest import (
+    PYTHON,
+    ROOT,
+    child_env,
+    make_learnable_data,
+    read_jsonl,
+    tiny_argv,
+    write_verifier,
+)
+
+STEPS_PER_EPOCH = 5
+EPOCHS = 3
+RUN = {"epochs": EPOCHS, "lr": 3e-2, "optimizer": "muon"}
+TRAIN_METRICS = {
+    "loss",
+    "ce_loss",
+    "tv_loss",
+    "confidence_loss",
+    "confidence_abs_error",
+    "confidence_pred_mean",
+    "confidence_cumprod_bias",
+    "accept_rate",
+    "accept_len",
+    "full_acc",
+    "eal",
+    "error_records",
+    *(f"position_{k}_acc" for k in range(4)),
+}
+
+
+@pytest.fixture(scope="module")
+def learn(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learn")
+    verifier = write_verifier(root / "verifier")
+    return verifier, make_learnable_data(root / "data", verifier)
+
+
+@pytest.fixture(scope="module")
+def baseline(learn, tmp_path_factory):
+    """The uninterrupted run: 15 steps on one device."""
+    verifier, data = learn
+    out = tmp_path_factory.mktemp("baseline")
+    args = cli.resolve(tiny_argv(verifier, data, out, **RUN))
+    assert train.run(args, devices=jax.devices()[:1]) == 0
+    return out, read_jsonl(out / "logs" / "run" / "metrics.jsonl"), args
+
+
+def losses(records):
+    return [r["train"]["loss"] for r in records if "train" in r]
+
+
+def val_losses(records):
+    return [r["val"]["loss_epoch"] for r in records if "val" in r]
+
+
+def test_loss_is_finite_and_decreases(baseline):
+    _, records, _ = baseline
+    seq = losses(records)
+    assert len(seq) == STEPS_PER_EPOCH * EPOCHS
+    assert all(math.isfinite(x) for x in seq)
+    assert np.mean(seq[-3:]) < np.mean(seq[:3]) - 0.15, seq
+    val = val_losses(records)
+    assert len(val) == EPOCHS and val[-1] < val[0], val
+
+
+def test_metric_records_have_the_reference_names(baseline):
+    _, records, _ = baseline
+    train_records = [r for r in records if "train" in r]
+    first = train_records[0]
+    assert set(first) == {"train", "profile", "epoch", "lr", "global_step", "step"}
+    assert set(first["train"]) == TRAIN_METRICS
+    assert set(first["lr"]) == {"Muon", "AdamW"} and first["lr"]["Muon"] == pytest.approx(3e-2)
+    assert {"step_ms", "tokens_per_s", "fetch_ms", "fetch_frac"} <= set(first["profile"])
+    assert [r["global_step"] for r in train_records] == list(range(STEPS_PER_EPOCH * EPOCHS))
+    assert [r["epoch"] for r in train_records] == [
+        e for e in range(EPOCHS) for _ in range(STEPS_PER_EPOCH)
+    ]
+    val = [r for r in records if "val" in r]
+    assert set(val[0]["val"]) == {f"{k}_epoch" for k in TRAIN_METRICS - {"error_records"}}
+    assert [r["step"] for r in val] == [STEPS_PER_EPOCH * (e + 1) for e in range(EPOCHS)]
+    # The schedule: linear decay from step 0 (no warmup: 15 // 100 = 0 steps).
+    assert train_records[-1]["lr"]["AdamW"] == pytest.approx(3e-2 * 1 / 15, rel=1e-5)
+
+
+def test_checkpoints_and_run_files(baseline, tmp_path):
+    out, _, args = baseline
+    ckpt = out / "ckpt"
+    steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    assert steps == [5, 10, 15]  # --checkpoint-freq 1: every epoch end
+    for name in ("run.yaml", "train_command.txt", "config.json"):
+        assert (ckpt / name).is_file()
+    meta = json.loads((ckpt / "15" / "meta" / "metadata").read_text())
+    assert meta["format"] == train.CHECKPOINT_FORMAT and meta["global_step"] == 15
+    assert meta["config"]["markov_rank"] == 4 and meta["metrics"]["loss"] > 0
+    assert cli.resolve(["--config", str(ckpt / "run.yaml")]).values == args.values
+    # The converters read a training checkpoint as is.
+    from converters.check import check_folder
+    from converters.export import export_checkpoint
+
+    report, step = export_checkpoint(ckpt, tmp_path / "export", step="best")
+    assert report.ok and step == meta["best_step"]
+    assert check_folder(tmp_path / "export", target="vllm").ok
+
+
+def test_resume_refuses_another_config(baseline, learn, tmp_path):
+    verifier, data = learn
+    out, _, _ = baseline
+    shutil.copytree(out / "ckpt", tmp_path / "ckpt")
+    args = cli.resolve(tiny_argv(verifier, data, tmp_path, **{**RUN, "markov_rank": 8}))
+    with pytest.raises(cli.ConfigError, match="another drafter config .*markov_rank"):
+        train.run(args, devices=jax.devices()[:1])
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_mesh_data2_fsdp2_tensor2_equals_one_device(baseline, learn, tmp_path):
+    verifier, data = learn
+    _, records, _ = baseline
+    over = {
+        **RUN,
+        "max_steps": 3,
+        "scheduler_total_steps": STEPS_PER_EPOCH * EPOCHS,
+        "mesh": "data=2,fsdp=2,tensor=2",
+    }
+    args = cli.resolve(tiny_argv(verifier, data, tmp_path, **over))
+    assert train.run(args) == 0
+    sharded = losses(read_jsonl(tmp_path / "logs" / "run" / "metrics.jsonl"))
+    np.testing.assert_allclose(sharded, losses(records)[:3], rtol=2e-5)
+
+
+def test_sigterm_then_restart_continues_exactly(baseline, learn, tmp_path, compilation_cache):
+    """Kill mid-epoch (step 7 = epoch 1, step 2 of 5), restart with the same command."""
+    verifier, data = learn
+    _, records, _ = baseline
+    argv = tiny_argv(verifier, data, tmp_path, **RUN)
+    script = str(ROOT / "tests" / "train" / "sigterm_child.py")
+    env = child_env(compilation_cache)
+    first = subprocess.run(
+        [PYTHON, script, "7", "1", *argv],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "interrupted (SIGTERM) at step 7" in first.stderr
+    meta = json.loads((tmp_path / "ckpt" / "7" / "meta" / "metadata").read_text())
+    assert (meta["reason"], meta["epoch"], meta["step_in_epoch"]) == ("interrupted", 1, 2)
+    second = subprocess.run(
+        [PYTHON, script, "-1", "1", *argv],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr
+    resumed = read_jsonl(tmp_path / "logs" / "run" / "metrics.jsonl")
+    steps = [r["global_step"] for r in resumed if "train" in r]
+    assert steps == list(range(STEPS_PER_EPOCH * EPOCHS)), steps  # 0-6, then 7-14
+    assert losses(resumed) == losses(records)  # bit-exact: same batches, same anchors
+    assert val_losses(resumed) == val_losses(records)
+
+
+def test_from_pretrained_sources(baseline, learn, tmp_path):
+    """An Orbax checkpoint (a run's --save-path or `converters import`), a speculators
+    folder and a config-only folder all start a run; shaping flags may not disagree."""
+    from converters import orbax_io
+    from converters.export import export_checkpoint
+    from dspark_jax import draft_init
+
+    verifier, data = learn
+    out, records, _ = baseline
+    trained = orbax_io.load_params(out / "ckpt", "latest")
+    export_checkpoint(out / "ckpt", tmp_path / "folder", step="latest")
+    (tmp_path / "config_only").mkdir()
+    shutil.copy(tmp_path / "folder" / "config.json", tmp_path / "config_only" / "config.json")
+
+    def setup(source, **over):
+        argv = tiny_argv(
+            verifier, data, tmp_path / "run", num_layers=None, from_pretrained=source, **over
+        )
+        return draft_init.build_draft(cli.resolve(argv))
+
+    flat = dict(jax.tree_util.tree_leaves_with_path(trained.params))
+    for source, atol in ((out / "ckpt", 0.0), (tmp_path / "folder", 1e-2)):
+        s = setup(source)
+        assert s.cfg == trained.cfg.replace(verifier_name_or_path=str(verifier))
+        for path, value in jax.tree_util.tree_leaves_with_path(s.params):
+            np.testing.assert_allclose(value, flat[path], atol=atol, rtol=1e-2)
+    fresh = setup(tmp_path / "config_only")
+    assert fresh.params is None and fresh.cfg.markov_rank == trained.cfg.markov_rank
+    with pytest.raises(cli.ConfigError, match="--markov-rank 8 conflicts"):
+        setup(out / "ckpt", markov_rank=8)
+
+    # Training from the trained weights starts where the baseline ended.
+    argv = tiny_argv(
+        verifier,
+        data,
+        tmp_path / "run",
+        num_layers=None,
+        from_pretrained=out / "ckpt",
+        **{**RUN, "max_steps": 1},
+    )
+    assert train.run(cli.resolve(argv), devices=jax.devices()[:1]) == 0
+    first = losses(read_jsonl(tmp_path / "run" / "logs" / "run" / "metrics.jsonl"))[0]
+    assert first < np.mean(losses(records)[:3]) - 0.15
