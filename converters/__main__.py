@@ -100,6 +100,7 @@ def _warm_start(args):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore INFO lines
     if args.command == "check":
         from converters.check import check_folder
 
