@@ -55,6 +55,9 @@ import numpy as np
 
 from dspark_jax.config import DSparkConfig  # plain Python: no JAX import here
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests/
+from tests.reference.ref_config import reference_config  # noqa: E402  (no JAX import either)
+
 LOSS_FN = '{"ce":0.1,"tv":0.9}'
 GAMMA, CONF_ALPHA = 4.0, 1.0
 OPTIM = dict(lr=1e-4, warmup_ratio=0.03, total_steps=1000)  # the seed run's flags
@@ -726,42 +729,6 @@ def jax_components(args, cfg, seq, num_anchors, rows, anchors, valid) -> None:
 
 
 # ------------------------------------------------------------------------------ reference
-
-
-def reference_config(cfg: DSparkConfig):
-    """speculators' DSparkSpeculatorConfig for ``cfg`` with eager attention.
-
-    Same construction as tests/reference/harness.py::reference_config, repeated here so
-    that the reference process imports neither JAX nor Flax (its peak RSS stays its own).
-    """
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dspark import DSparkSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import Qwen3Config
-
-    tl = dict(cfg.transformer_layer_dict())
-    tl.pop("model_type"), tl.pop("architectures")
-    tl_config = Qwen3Config(**tl)
-    tl_config._attn_implementation = "eager"  # flex attention needs a GPU
-    return DSparkSpeculatorConfig(
-        transformer_layer_config=tl_config,
-        draft_vocab_size=cfg.draft_vocab_size,
-        block_size=cfg.block_size,
-        aux_hidden_state_layer_ids=list(cfg.aux_hidden_state_layer_ids),
-        mask_token_id=cfg.mask_token_id,
-        sample_from_anchor=cfg.sample_from_anchor,
-        sliding_window_non_causal=cfg.sliding_window_non_causal,
-        markov_rank=cfg.markov_rank,
-        markov_head_type=cfg.markov_head_type,
-        enable_confidence_head=cfg.enable_confidence_head,
-        confidence_head_with_markov=cfg.confidence_head_with_markov,
-        speculators_config=SpeculatorsConfig(
-            algorithm="dspark",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.speculative_tokens)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=[]),
-        ),
-    )
 
 
 def run_reference(args, cfg, seq, num_anchors) -> None:
