@@ -32,32 +32,10 @@ from dspark_jax.model.draft import (  # noqa: E402
     target_hidden,
 )
 from tests.reference.harness import build_reference_model, run_reference  # noqa: E402
+from tests.tiny_configs import VT, H, base_config  # noqa: E402
 
-VT, H = 64, 32
 SEQ = 48
 DOCS = (20, 17)  # two documents, then 11 padding positions
-
-
-def base_config(**kw) -> DSparkConfig:
-    fields = dict(
-        hidden_size=H,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA
-        head_dim=8,
-        num_hidden_layers=2,
-        vocab_size=VT,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window=6,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        block_size=4,
-        mask_token_id=VT - 1,
-        aux_hidden_state_layer_ids=(1, 3),
-        markov_rank=8,
-    )
-    fields.update(kw)
-    return DSparkConfig(**fields)
 
 
 CASES = {
