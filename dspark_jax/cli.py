@@ -10,9 +10,9 @@ defaults (``--num-layers``, ``--loss-fn``, ``--block-size``, ...) are resolved a
 What each flag does here is one of:
 
 * supported: same meaning as the reference;
-* ``ONLINE``: belongs to the online transport (vLLM endpoint, Mooncake), not built
-  yet. It parses (the seed command must) and ``--dry-run`` lists it; a run that
-  would use it stops with a one-line message (see :func:`online_transport_needs`);
+* ``ONLINE``: the online transport (vLLM endpoint, Mooncake; supported, see
+  dspark_jax/data/online.py): it applies only with ``--on-missing generate`` or
+  ``--hidden-states-backend mooncake``, and giving it otherwise is an error;
 * ``OTHER_TYPE``: an option of another speculator type (eagle3, dflash2, xpress,
   peagle, mtp): giving it is an error (the reference warns and ignores it);
 * a few reference flags select a PyTorch implementation detail with no JAX
@@ -125,9 +125,7 @@ def _other(dest, group, owner, default=None, type=str, **kw) -> Flag:
 
 
 def _online(dest, group, default=None, type=str, help="", **kw) -> Flag:
-    return Flag(
-        dest, group, default, type, help + " [online transport: not built yet]", status=ONLINE, **kw
-    )
+    return Flag(dest, group, default, type, help, status=ONLINE, **kw)
 
 
 # fmt: off
@@ -194,8 +192,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("data_path", "data", "./output",
        help="Prepared dataset folder (vocab maps, token_freq.pt, hidden_states/)."),
     _f("hidden_states_backend", "data", "file", choices=("file", "fp8", "mooncake"),
-       help="file / fp8: hs_{i}.safetensors files (bf16 or fp8 + scales); mooncake: the "
-       "online transport (not built yet)."),
+       help="file / fp8: hs_{i}.safetensors files (bf16 or fp8 + scales), also how "
+       "generated samples arrive (shared storage); mooncake: generated samples arrive "
+       "through a Mooncake store and no files are read."),
     _f("total_seq_len", "data", 8192, int, "Tokens per packed row."),
     _f("train_data_ratio", "data", 0.9, float, "Fraction of rows for training; the rest validate."),
     _f("hidden_states_dtype", "data", "bfloat16",
@@ -206,18 +205,22 @@ FLAGS: tuple[Flag, ...] = (
     _f("max_anchors", "data", 512, int, "Anchors (blocks) per packed row."),
     # --- generation (online)
     _online("vllm_endpoint", "generation", "http://localhost:8000/v1",
-            help="vLLM endpoint for --on-missing generate."),
+            help="Extractor endpoint (vllm serve or launch/serve_hidden_states.py) for "
+            "--on-missing generate; its served model id must equal --verifier-name-or-path."),
     _f("on_missing", "generation", "generate", choices=("generate", "skip", "warn", "raise"),
-       help="A sample without hidden states: generate (online transport, not built yet: "
-       "stops the run), skip, warn (skip + log) or raise."),
+       help="A sample without hidden states: generate (ask --vllm-endpoint; samples whose "
+       "generation fails are skipped and counted), skip, warn (skip + log) or raise."),
     _f("on_generate", "generation", "delete", choices=("delete",), status=NO_EFFECT,
        help="Deprecated in the reference, no effect."),
-    _online("request_timeout", "generation", 120.0, float, "vLLM request timeout (s)."),
-    _online("max_retries", "generation", 3, int, "vLLM request retries."),
+    _online("request_timeout", "generation", 120.0, float,
+            "Seconds per extractor request, and to wait for its tensors."),
+    _online("max_retries", "generation", 3, int,
+            "Retries of a request after a connection error, timeout or HTTP 408/429/5xx."),
     _online("generation_validation_retries", "generation", 2, int,
-            "Extra generate/load/validate attempts."),
+            "Extra full generate/load/validate round trips for a sample that failed."),
     _online("max_consecutive_generation_failures", "generation", 20, int,
-            "Generation circuit breaker."),
+            "Stop the run after this many consecutive samples failed every round trip "
+            "(per data process)."),
     # --- loss
     _f("loss_implementation", "loss", "fused", choices=("fused", "eager"), status=NO_EFFECT,
        help="PyTorch kernel choice; dspark_jax always reduces over vocab chunks (same values)."),
@@ -316,7 +319,7 @@ FLAGS: tuple[Flag, ...] = (
     _online("mooncake_global_segment_gib", "backend", 4.0, float, "Mooncake global segment."),
     _online("mooncake_local_buffer_gib", "backend", 2.0, float, "Mooncake local buffer."),
     _online("mooncake_writer_threads", "backend", 4, int,
-            "Mooncake writer threads (Kimi-K3 example branch)."),
+            "Mooncake writer threads (extractor side; accepted for the seed command)."),
     # --- JAX (not in the reference)
     _f("mesh", "jax", None,
        help="Device mesh, e.g. 'data=2,fsdp=2,tensor=2' (one axis may be -1); default: every "
@@ -328,6 +331,8 @@ FLAGS: tuple[Flag, ...] = (
        help="jax.distributed coordinator host:port (default: auto-detected on TPU pods and "
        "Slurm; single process otherwise)."),
     _f("num_processes", "jax", None, int, "jax.distributed process count."),
+    _f("requests_in_flight", "jax", 4, int,
+       "Extractor requests kept in flight per data process with --on-missing generate."),
     _f("process_id", "jax", None, int, "jax.distributed process id."),
     _f("keep_checkpoints", "jax", 3, int,
        "Checkpoints kept (the newest ones; the best validation one is kept as well)."),
@@ -696,6 +701,16 @@ def validate(args: TrainArgs) -> None:
             raise ConfigError(
                 f"{', '.join(given)} only apply with --on-missing generate (got {v['on_missing']})"
             )
+    for dest, low in (
+        ("request_timeout", 1e-9),
+        ("max_retries", 0),
+        ("generation_validation_retries", 0),
+        ("max_consecutive_generation_failures", 1),
+        ("requests_in_flight", 1),
+    ):
+        if v[dest] < low:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} must be {'> 0' if low < 1 else f'>= {low}'}, got {v[dest]}")
     if args.provided("on_generate"):
         warnings.warn(
             "--on-generate is deprecated and has no effect: generated hidden states are always "
@@ -715,37 +730,75 @@ def validate(args: TrainArgs) -> None:
 # ---------------------------------------------------------------- online transport
 
 
-def online_transport_needs(args: TrainArgs) -> list[str]:
-    """The settings of this run that belong to the online transport (not built yet)."""
-    needs = []
+def online_source(args: TrainArgs, store_factory=None):
+    """The :class:`~dspark_jax.data.online.OnlineSource` of ``--on-missing generate``
+    (None otherwise). ``store_factory`` (tests) replaces the Mooncake connection."""
+    if args.on_missing != "generate":
+        return None
+    from dspark_jax.data.mooncake import MooncakeConfig
+    from dspark_jax.data.online import OnlineSettings, OnlineSource
+    from dspark_jax.data.transport import FileTransport, MooncakeTransport
+
+    settings = OnlineSettings(
+        endpoint=args.vllm_endpoint,
+        model=args.verifier_name_or_path,
+        request_timeout=args.request_timeout,
+        max_retries=args.max_retries,
+        generation_validation_retries=args.generation_validation_retries,
+        max_consecutive_generation_failures=args.max_consecutive_generation_failures,
+        requests_in_flight=args.requests_in_flight,
+    )
     if args.hidden_states_backend == "mooncake":
-        needs.append("--hidden-states-backend mooncake")
-        needs += [
-            f"{f.flag} {args.values[f.dest]}"
-            for f in FLAGS
-            if f.dest.startswith("mooncake_") and args.provided(f.dest)
-        ]
-    if args.on_missing == "generate":
-        needs.append("--on-missing generate (only for samples without hidden-state files)")
-        needs += [
-            f"{f.flag} {args.values[f.dest]}"
-            for f in FLAGS
-            if f.group == "generation" and f.status == ONLINE and args.provided(f.dest)
-        ]
-    return needs
+        import os
+        import socket
+
+        # As the reference: the address this host registers with the master.
+        host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or socket.gethostbyname(
+            socket.gethostname()
+        )
+        transport = MooncakeTransport(
+            MooncakeConfig.from_gib(
+                global_segment_gib=args.mooncake_global_segment_gib,
+                local_buffer_gib=args.mooncake_local_buffer_gib,
+                local_hostname=host,
+                metadata_server=args.mooncake_metadata_server,
+                master_server_address=args.mooncake_master,
+                protocol=args.mooncake_protocol,
+                device_name=args.mooncake_device,
+                num_writer_threads=args.mooncake_writer_threads,
+            ),
+            store_factory=store_factory,
+        )
+    else:
+        transport = FileTransport()
+    return OnlineSource(settings, transport)
 
 
-ONLINE_MISSING = (
-    "needs the online transport (hidden states from a vLLM endpoint or Mooncake), which "
-    "dspark_jax does not have yet; extract them to files first (python -m "
-    "launch.extract_hidden_states) and train with --hidden-states-backend file"
-)
-
-
-def check_backend_usable(args: TrainArgs) -> None:
-    """Stop a run that would stream hidden states (the offline files are all we read)."""
-    if args.hidden_states_backend == "mooncake":
-        raise ConfigError(f"--hidden-states-backend mooncake {ONLINE_MISSING}")
+def online_summary(args: TrainArgs) -> str | None:
+    """One line on where hidden states come from, for logs and --dry-run."""
+    if args.on_missing != "generate":
+        if args.hidden_states_backend == "mooncake":
+            return (
+                f"hidden states: --hidden-states-backend mooncake without --on-missing generate "
+                f"reads no files: every sample is handled by --on-missing {args.on_missing}"
+            )
+        return None
+    via = (
+        f"Mooncake (master {args.mooncake_master}, {args.mooncake_protocol})"
+        if args.hidden_states_backend == "mooncake"
+        else "files on shared storage"
+    )
+    files = (
+        "" if args.hidden_states_backend == "mooncake" else "samples without a file in the "
+        "hidden-states folder "
+    )
+    return (
+        f"online: {files}generated by {args.vllm_endpoint} (model "
+        f"{args.verifier_name_or_path}) through {via}; timeout {args.request_timeout:g}s, "
+        f"{args.max_retries} request retries, {args.generation_validation_retries} round-trip "
+        f"retries, circuit breaker after {args.max_consecutive_generation_failures} "
+        f"consecutive failed samples, {args.requests_in_flight} requests in flight"
+    )
 
 
 def describe(args: TrainArgs) -> str:

@@ -86,11 +86,9 @@ def dry_run(trainer: Trainer) -> int:
         ),
         _data_report(args),
     ]
-    needs = cli.online_transport_needs(args)
-    if needs:
-        lines.append(
-            "needs the online transport (not built yet in dspark_jax): " + ", ".join(needs)
-        )
+    online = cli.online_summary(args)
+    if online:
+        lines.append(online)
     if not trainer.is_main:
         return 0
     from converters.check import check_folder

@@ -50,7 +50,7 @@ from dspark_jax.checkpoint import Checkpointer
 from dspark_jax.cli import ConfigError, TrainArgs
 from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData
-from dspark_jax.dry_run import dry_run, missing_hidden_states
+from dspark_jax.dry_run import dry_run
 from dspark_jax.metrics_log import MetricsLog, Progress, normalize_counted_metrics
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
 from dspark_jax.verifier import load_verifier_tensors
@@ -123,9 +123,11 @@ class Trainer:
         *,
         devices: list | None = None,
         step_callback: Callable[[Trainer], None] | None = None,
+        store_factory: Callable[[], Any] | None = None,
     ):
         self.args = args
         self.step_callback = step_callback
+        self.store_factory = store_factory  # tests: a Mooncake store fake
         self.is_main = jax.process_index() == 0
         self.setup = draft_init.build_draft(args)
         self.cfg = self.setup.cfg
@@ -203,23 +205,12 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ data
-    def _check_offline_files(self) -> None:
-        """--on-missing generate with files missing would need the online transport."""
-        args = self.args
-        cli.check_backend_usable(args)
-        if args.on_missing != "generate":
-            return
-        n, missing = missing_hidden_states(args)
-        if missing:
-            raise ConfigError(
-                f"{len(missing)} of {n} rows have no hidden-state file in "
-                f"{draft_init.hidden_states_dir(args)} (first: hs_{missing[0]}.safetensors); "
-                f"--on-missing generate {cli.ONLINE_MISSING}, or pass --on-missing skip|warn"
-            )
-
     def open_data(self) -> PackedData:
         args, cfg = self.args, self.cfg
-        self._check_offline_files()
+        online = cli.online_source(args, self.store_factory)
+        summary = cli.online_summary(args)
+        if summary and self.is_main:
+            log.info("%s", summary)
         data = PackedData(
             args.data_path,
             draft_init.hidden_states_dir(args),
@@ -229,7 +220,9 @@ class Trainer:
             train_data_ratio=args.train_data_ratio,
             rows_per_process=self.rows_per_step // jax.process_count(),
             seed=args.seed,
-            on_missing="raise" if args.on_missing == "generate" else args.on_missing,
+            on_missing=args.on_missing,
+            online=online,
+            read_files=args.hidden_states_backend != "mooncake",
             hidden_states_dtype=args.hidden_states_dtype,
             aux_hidden_state_layer_ids=cfg.aux_hidden_state_layer_ids,
         )
@@ -574,9 +567,12 @@ def run(
     *,
     devices: list | None = None,
     step_callback: Callable[[Trainer], None] | None = None,
+    store_factory: Callable[[], Any] | None = None,
 ) -> int:
     """Train (or --dry-run) with resolved args; returns the exit status."""
-    return Trainer(args, devices=devices, step_callback=step_callback).run()
+    return Trainer(
+        args, devices=devices, step_callback=step_callback, store_factory=store_factory
+    ).run()
 
 
 def demo_data_missing(args: TrainArgs) -> str | None:

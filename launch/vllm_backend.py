@@ -28,7 +28,6 @@ trip ``validation_retries`` times. A sample that still fails raises
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -40,6 +39,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dspark_jax.data.extractor_client import ExtractorClient, transfer_handle
+from dspark_jax.data.http import HTTPStatusError, InvalidResponseError, get_status
+from dspark_jax.data.transport import wait_for_lock
 from launch.hs_files import (
     HiddenStatesError,
     commit_file,
@@ -47,8 +49,6 @@ from launch.hs_files import (
     load_and_check,
     partial_path,
 )
-from launch.http_util import HTTPStatusError, InvalidResponseError, get_json, get_status, \
-    post_json, retry
 
 log = logging.getLogger("launch.vllm")
 
@@ -137,7 +137,7 @@ class VllmServer:
     def __enter__(self) -> VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting: %s", " ".join(self.cmd))
-        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=self.env)
         deadline = time.monotonic() + self.health_timeout
@@ -191,36 +191,10 @@ def wait_for_server(base_url: str, timeout: float, poll: float = 2.0) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def wait_for_lock(lock_path: str | Path, timeout: float = 10.0, poll: float = 0.05) -> None:
-    """Take the connector's ``.lock`` (exclusive flock: the writer holds it until the
-    file is complete), then remove it, as speculators' client does."""
-    fd = os.open(lock_path, os.O_RDWR)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"timed out after {timeout}s waiting for the writer's lock "
-                                       f"{lock_path}") from None
-                time.sleep(poll)
-    finally:
-        os.close(fd)
-    Path(lock_path).unlink(missing_ok=True)
+class VllmClient(ExtractorClient):
+    """The offline extraction client: one row -> ``hs_{i}.safetensors`` through the
+    file connector (protocol in dspark_jax/data/extractor_client.py)."""
 
-
-def _describe_prompt(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    shown = ", ".join(map(str, ids[:6])) + (", ..., " + ", ".join(map(str, ids[-3:]))
-                                            if len(ids) > 9 else
-                                            ("" if len(ids) <= 6 else ", " + ", ".join(
-                                                map(str, ids[6:]))))
-    return f"<{len(ids)} tokens: [{shown}]>"
-
-
-class VllmClient:
     def __init__(
         self,
         endpoint: str,
@@ -232,64 +206,14 @@ class VllmClient:
         validation_retries: int = 2,
         lock_timeout: float = 60.0,
     ):
-        self.endpoint = endpoint.rstrip("/")
-        self.model = model
-        self.request_timeout, self.max_retries = request_timeout, max_retries
-        self.retry_backoff, self.validation_retries = retry_backoff, validation_retries
+        super().__init__(endpoint, model, request_timeout=request_timeout,
+                         max_retries=max_retries, retry_backoff=retry_backoff)
+        self.validation_retries = validation_retries
         self.lock_timeout = lock_timeout
-
-    def check_model(self) -> str:
-        """The served model id; must equal ``model`` when one was given."""
-        data = get_json(self.endpoint + "/models", timeout=30.0).get("data") or []
-        if not data:
-            raise RuntimeError(f"{self.endpoint}/models lists no model; is the server loaded?")
-        served = data[0]["id"]
-        if self.model and self.model != served:
-            raise ValueError(f"the server at {self.endpoint} serves {served!r}, not "
-                             f"{self.model!r}; check --endpoint / --served-model-name")
-        self.model = served
-        return served
-
-    def describe(self, ids: Sequence[int]) -> str:
-        return (f"POST {self.endpoint}/completions model={self.model!r} "
-                f"prompt={_describe_prompt(ids)} max_tokens=1")
-
-    def request(self, ids: Sequence[int]) -> dict:
-        """One completion round trip (transport errors retried); the raw answer."""
-        body = {"model": self.model, "prompt": list(ids), "max_tokens": 1,
-                "return_token_ids": True}
-        url = self.endpoint + "/completions"
-        res = retry(lambda: post_json(url, body, timeout=self.request_timeout),
-                    max_retries=self.max_retries, backoff=self.retry_backoff,
-                    describe=f"POST {url}")
-        if not isinstance(res, dict):
-            raise InvalidResponseError(f"expected a JSON object, got {type(res).__name__}")
-        return res
 
     @staticmethod
     def hidden_states_path(res: dict) -> str:
-        params = res.get("kv_transfer_params")
-        if not params or not isinstance(params, dict):
-            raise InvalidResponseError("response has no kv_transfer_params (is the server "
-                                       "started with the hidden-states KV connector?)")
-        path = params.get("hidden_states_path") or params.get("handle")
-        if not path:
-            raise InvalidResponseError(f"kv_transfer_params has no hidden_states_path: {params}")
-        return str(path)
-
-    @staticmethod
-    def check_prompt(res: dict, ids: Sequence[int]) -> None:
-        choices = res.get("choices") or [{}]
-        prompt_ids = choices[0].get("prompt_token_ids") if isinstance(choices[0], dict) else None
-        if prompt_ids is None:
-            raise InvalidResponseError("response has no choices[0].prompt_token_ids (is the "
-                                       "server too old for return_token_ids?)")
-        if list(prompt_ids) != list(ids):
-            first = next((k for k, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b),
-                         min(len(prompt_ids), len(ids)))
-            raise InvalidResponseError(
-                f"prompt token ids mismatch: the server saw {len(prompt_ids)} tokens, the row has "
-                f"{len(ids)}; first difference at position {first}")
+        return transfer_handle(ExtractorClient.transfer_params(res))
 
     def discard(self, path: Path) -> None:
         """Delete a file the server wrote for a rejected answer, once its writer is done."""

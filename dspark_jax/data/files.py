@@ -268,30 +268,10 @@ def read_hidden_states(
     if len(tok.shape) != 1 or tok.dtype not in ("I64", "I32", "U32", "U64"):
         raise bad(f"token_ids must be a 1-D integer tensor, got {tok.dtype}{list(tok.shape)}")
     token_ids = f.read("token_ids")
-    n_tokens = len(input_ids)
-    if len(token_ids) != n_tokens:
-        raise bad(
-            f"token_ids has {len(token_ids)} tokens but the prepared dataset row has "
-            f"{n_tokens} input_ids (hidden states were extracted from different data)"
-        )
-    if not np.array_equal(token_ids, input_ids):
-        p = int(np.argmax(token_ids != input_ids))
-        raise bad(
-            f"token_ids differ from the prepared dataset's input_ids (first at position {p}: "
-            f"file has {int(token_ids[p])}, dataset has {int(input_ids[p])})"
-        )
-    if len(hs.shape) != 3:
-        raise bad(f"hidden_states must be [T, n_aux+1, H], got shape {list(hs.shape)}")
-    t, slots, h = hs.shape
-    if t != n_tokens:
-        raise bad(f"hidden_states has T={t} tokens but token_ids has {n_tokens}")
-    if slots != n_aux + 1:
-        raise bad(
-            f"hidden_states has {slots} layer slots, expected n_aux+1 = {n_aux + 1} "
-            f"({n_aux} aux layers + the last layer); wrong aux_hidden_state_layer_ids?"
-        )
-    if h != hidden_size:
-        raise bad(f"hidden_states has hidden size {h}, expected {hidden_size}")
+    problem = sample_problem(token_ids, hs.shape, input_ids, n_aux=n_aux, hidden_size=hidden_size)
+    if problem:
+        raise bad(problem)
+    n_tokens, t = len(input_ids), hs.shape[0]
     n = n_tokens if max_tokens is None else min(max_tokens, n_tokens)
     if hs.dtype in FP8_DTYPES:
         if SCALES_KEY not in f:
@@ -319,6 +299,43 @@ def read_hidden_states(
     if check_finite:
         check_finite_values(values, path=path, row=row)
     return HiddenStates(values=values, nbytes_read=nbytes)
+
+
+def sample_problem(
+    token_ids: np.ndarray,
+    hs_shape: Sequence[int],
+    input_ids: np.ndarray,
+    *,
+    n_aux: int,
+    hidden_size: int,
+) -> str | None:
+    """Why a sample (``token_ids`` [T], ``hidden_states`` of ``hs_shape``) does not fit
+    its prepared row ``input_ids`` and the drafter geometry; None when it does."""
+    n_tokens = len(input_ids)
+    if len(token_ids) != n_tokens:
+        return (
+            f"token_ids has {len(token_ids)} tokens but the prepared dataset row has "
+            f"{n_tokens} input_ids (hidden states were extracted from different data)"
+        )
+    if not np.array_equal(token_ids, input_ids):
+        p = int(np.argmax(token_ids != input_ids))
+        return (
+            f"token_ids differ from the prepared dataset's input_ids (first at position {p}: "
+            f"sample has {int(token_ids[p])}, dataset has {int(input_ids[p])})"
+        )
+    if len(hs_shape) != 3:
+        return f"hidden_states must be [T, n_aux+1, H], got shape {list(hs_shape)}"
+    t, slots, h = hs_shape
+    if t != n_tokens:
+        return f"hidden_states has T={t} tokens but token_ids has {n_tokens}"
+    if slots != n_aux + 1:
+        return (
+            f"hidden_states has {slots} layer slots, expected n_aux+1 = {n_aux + 1} "
+            f"({n_aux} aux layers + the last layer); wrong aux_hidden_state_layer_ids?"
+        )
+    if h != hidden_size:
+        return f"hidden_states has hidden size {h}, expected {hidden_size}"
+    return None
 
 
 def check_finite_values(

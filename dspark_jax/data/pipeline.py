@@ -65,11 +65,12 @@ from dspark_jax.data.files import (
     hs_path,
     read_hidden_states,
 )
+from dspark_jax.data.online import OnlineSource
 from dspark_jax.data.packing import EpochPlan, RowBuffers, plan_epoch
 
 logger = logging.getLogger(__name__)
 
-OnMissing = Literal["raise", "skip", "warn"]
+OnMissing = Literal["raise", "skip", "warn", "generate"]
 ON_MISSING = ("raise", "skip", "warn")
 Split = Literal["train", "val"]
 VAL_SEED = 0  # the reference validates with a fixed seed, whatever the run seed
@@ -133,6 +134,8 @@ class StepLoader:
         on_missing: OnMissing,
         check_finite: bool = True,
         shared_memory: bool = False,
+        online: OnlineSource | None = None,
+        read_files: bool = True,
     ):
         self.dataset = dataset
         self.hidden_states_dir = Path(hidden_states_dir)
@@ -146,6 +149,11 @@ class StepLoader:
         self.on_missing = on_missing
         self.check_finite = check_finite
         self.shared_memory = shared_memory
+        self.online = online
+        self.read_files = read_files
+
+    def _has_file(self, file_idx: int) -> bool:
+        return self.read_files and hs_path(self.hidden_states_dir, file_idx).exists()
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rows = RowBuffers.allocate(
@@ -156,6 +164,7 @@ class StepLoader:
             _DTYPES[self.dtype],
             zeros=_shm_zeros if self.shared_memory else np.zeros,
         )
+        pending = self._start_generation(step) if self.online else {}
         for i, rank in enumerate(self.ranks):
             for doc in self.plan.row(step, rank).tolist():
                 room = rows.room(i)
@@ -163,7 +172,15 @@ class StepLoader:
                     break
                 file_idx = self.split_start + doc
                 try:
-                    self._append(rows, i, file_idx, room)
+                    if file_idx in pending or (self.online and not self._has_file(file_idx)):
+                        self._append_generated(rows, i, file_idx, room, pending)
+                    elif not self.read_files:
+                        raise BadSampleError(
+                            f"row {file_idx}", file_idx, "no hidden states (the mooncake "
+                            "backend reads no files; generate them with --on-missing generate)"
+                        )
+                    else:
+                        self._append(rows, i, file_idx, room)
                 except BadSampleError as e:
                     if self.on_missing == "raise":
                         raise
@@ -171,6 +188,51 @@ class StepLoader:
                     if self.on_missing == "warn":
                         logger.warning("skipping sample: %s", e)
         return rows.batch()
+
+    def _start_generation(self, step: int) -> dict[int, concurrent.futures.Future]:
+        """Request every document of this step that has no file, all at once (the
+        rows' fill is known from the lengths), so the extractor works on them while
+        the loader packs."""
+        pending = {}
+        lengths = self.dataset.seq_len
+        for rank in self.ranks:
+            fill = 0
+            for doc in self.plan.row(step, rank).tolist():
+                if fill >= self.total_seq_len:
+                    break
+                file_idx = self.split_start + doc
+                if not self._has_file(file_idx):
+                    pending[file_idx] = self._submit(file_idx)
+                fill += min(int(lengths[file_idx]), self.total_seq_len - fill)
+        return pending
+
+    def _submit(self, file_idx: int) -> concurrent.futures.Future:
+        return self.online.submit(
+            file_idx,
+            self.dataset.input_ids(file_idx),
+            n_aux=self.n_aux,
+            hidden_size=self.hidden_size,
+        )
+
+    def _append_generated(
+        self, rows: RowBuffers, i: int, file_idx: int, room: int, pending: dict
+    ) -> None:
+        # A document not requested up front (an earlier one was dropped and left
+        # room) is requested now.
+        future = pending.pop(file_idx, None) or self._submit(file_idx)
+        values = future.result()  # GenerationError (circuit breaker) propagates
+        if values is None:
+            raise BadSampleError(
+                self.online.settings.endpoint, file_idx, "hidden-state generation failed"
+            )
+        values = values[:room]
+        dtype = _DTYPES[self.dtype]
+        rows.append(
+            i,
+            self.dataset.input_ids(file_idx),
+            self.dataset.loss_mask(file_idx),
+            values if values.dtype == dtype else values.astype(dtype),
+        )
 
     def _append(self, rows: RowBuffers, i: int, file_idx: int, room: int) -> None:
         path = hs_path(self.hidden_states_dir, file_idx)
@@ -218,7 +280,12 @@ class PackedData:
       rows_per_process: R, data-parallel rows (ranks) this process feeds per step.
       process_index, process_count: default ``jax.process_index()/process_count()``.
       seed: run seed; epoch e of the train split is planned from ``seed + e``.
-      on_missing: ``raise`` | ``skip`` | ``warn`` for bad or missing samples.
+      on_missing: ``raise`` | ``skip`` | ``warn`` for bad or missing samples;
+        ``generate``: samples without a file come from ``online`` (bad files and
+        samples whose generation failed are skipped and counted).
+      online: the :class:`~dspark_jax.data.online.OnlineSource` for ``generate``.
+      read_files: False for the Mooncake backend: no sample is read from disk (as the
+        reference, every sample is missing: generated, or handled by ``on_missing``).
       hidden_states_dtype: ``bfloat16`` | ``float16`` | ``float32``; default: the
         stored dtype of the first file found (fp8 files: ``float32``).
       check_finite: reject samples with NaN/inf hidden states.
@@ -244,14 +311,18 @@ class PackedData:
         hidden_states_dtype: str | None = None,
         check_finite: bool = True,
         aux_hidden_state_layer_ids: Sequence[int] | None = None,
+        online: OnlineSource | None = None,
+        read_files: bool = True,
     ):
-        if on_missing == "generate":
+        if (on_missing == "generate") != (online is not None):
             raise ValueError(
-                "on_missing='generate' needs the online path (dspark_jax.data.online); "
-                f"the offline pipeline supports {ON_MISSING}"
+                "on_missing='generate' and an online source (dspark_jax.data.online) go "
+                f"together; got on_missing={on_missing!r}, online={online!r}"
             )
-        if on_missing not in ON_MISSING:
-            raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
+        if on_missing not in (*ON_MISSING, "generate"):
+            raise ValueError(
+                f"on_missing must be one of {(*ON_MISSING, 'generate')}, got {on_missing!r}"
+            )
         if not 0.0 < train_data_ratio <= 1.0:
             raise ValueError(f"train_data_ratio must be in (0, 1], got {train_data_ratio}")
         for name, v in (
@@ -277,7 +348,9 @@ class PackedData:
 
         self.data_path = Path(data_path)
         self.hidden_states_path = Path(hidden_states_path or self.data_path / "hidden_states")
-        if not self.hidden_states_path.is_dir():
+        self.online = online
+        self.read_files = read_files
+        if read_files and not self.hidden_states_path.is_dir() and online is None:
             raise DataError(f"{self.hidden_states_path}: hidden states folder not found")
         check_extraction_config(
             self.hidden_states_path,
@@ -344,6 +417,8 @@ class PackedData:
         return start, stop
 
     def _detect_dtype(self) -> str:
+        if not self.read_files or (self.online is not None and not self.hidden_states_path.is_dir()):
+            return "bfloat16"  # the verifier dtype the reference trains in
         for i in range(len(self.dataset)):
             p = hs_path(self.hidden_states_path, i)
             if p.exists():
@@ -351,6 +426,8 @@ class PackedData:
                     return _AUTO_DTYPE[hidden_states_file_dtype(p)]
                 except (DataError, KeyError):
                     continue
+        if self.online is not None:
+            return "bfloat16"
         raise DataError(
             f"{self.hidden_states_path}: no readable hs_{{i}}.safetensors for "
             f"the {len(self.dataset)} rows of {self.data_path}"
@@ -403,6 +480,8 @@ class PackedData:
             on_missing=self.on_missing,
             check_finite=self.check_finite,
             shared_memory=shared_memory,
+            online=self.online,
+            read_files=self.read_files,
         )
 
     def epoch_dataset(

@@ -161,7 +161,7 @@ def _corrupt(kind, tmp_path):
         bad = ids.copy()
         bad[4] += 1
         write_hs(tmp_path, 7, bad, h)
-        return ids, f"token_ids differ .* position 4: file has {bad[4]}, dataset has {ids[4]}"
+        return ids, f"token_ids differ .* position 4: sample has {bad[4]}, dataset has {ids[4]}"
     if kind == "token_count":
         write_hs(tmp_path, 7, ids[:-1], h[:-1])
         return ids, "token_ids has 9 tokens but the prepared dataset row has 10"

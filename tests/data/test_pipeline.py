@@ -315,7 +315,7 @@ def test_bad_arguments_are_named(tiny_data):
     d = tiny_data
     with pytest.raises(ValueError, match="on_missing must be one of"):
         PackedData(d.data_path, **d.kwargs(on_missing="ignore"))
-    with pytest.raises(ValueError, match="online path"):
+    with pytest.raises(ValueError, match="and an online source .* go together"):
         PackedData(d.data_path, **d.kwargs(on_missing="generate"))
     with pytest.raises(ValueError, match="train_data_ratio"):
         PackedData(d.data_path, **d.kwargs(train_data_ratio=0.0))

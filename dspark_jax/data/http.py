@@ -1,5 +1,7 @@
 """Minimal JSON-over-HTTP client (stdlib only) with the reference's retry rules.
 
+Shared by the trainer's online source and launch/ (importing it does not import JAX).
+
 speculators' vLLM client retries connection errors, timeouts, HTTP 408/429 and
 5xx with exponential backoff (``2 ** attempt`` seconds) and never retries a
 deterministic failure (other 4xx, an invalid response). Same here, with the
@@ -10,14 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-log = logging.getLogger("launch.http")
+log = logging.getLogger("dspark_jax.http")
 T = TypeVar("T")
 
 TRANSIENT_STATUSES = frozenset({408, 429})
@@ -41,13 +42,13 @@ def _request(url: str, data: bytes | None, timeout: float, method: str) -> Any:
                                  headers={"Content-Type": "application/json",
                                           "Authorization": "Bearer EMPTY"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
     except urllib.error.HTTPError as e:
         text = e.read().decode("utf-8", "replace")[:2000]
         retriable = e.code >= 500 or e.code in TRANSIENT_STATUSES
         raise HTTPStatusError(e.code, f"{method} {url} -> HTTP {e.code}: {text}", retriable) from e
-    except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
         reason = getattr(e, "reason", e)
         raise HTTPStatusError(None, f"{method} {url} -> {type(reason).__name__}: {reason}",
                               True) from e
@@ -68,11 +69,11 @@ def get_json(url: str, timeout: float = 10.0) -> Any:
 def get_status(url: str, timeout: float = 5.0) -> int | None:
     """HTTP status of a GET, or None when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code
-    except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError):
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
 
 
