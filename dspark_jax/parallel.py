@@ -153,6 +153,26 @@ def global_batch(local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> di
     return out
 
 
+def slurm_local_device_ids(env) -> list[int] | None:
+    """All of the node's GPUs for a one-task-per-node Slurm step, else None.
+
+    JAX's Slurm detection gives each process the single device ``SLURM_LOCALID``
+    (one task per GPU). Our recipes run one process per node that drives every local
+    GPU, so then the process gets them all: ``CUDA_VISIBLE_DEVICES`` (set by Slurm for
+    the step's GPUs) or ``SLURM_GPUS_ON_NODE`` count them. ``JAX_LOCAL_DEVICE_IDS``,
+    when set, wins (JAX reads it).
+    """
+    if env.get("JAX_LOCAL_DEVICE_IDS"):
+        return None
+    # SLURM_TASKS_PER_NODE looks like "1(x2)" or "4,2"
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    if {t.split("(")[0] for t in per_node.split(",")} != {"1"}:
+        return None
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    n = len(visible) or int(env.get("SLURM_GPUS_ON_NODE") or 0)
+    return list(range(n)) if n > 1 else None
+
+
 def initialize_distributed(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -174,11 +194,13 @@ def initialize_distributed(
         return False
     kwargs = {}
     if explicit:
-        kwargs = dict(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-        )
+        kwargs = {
+            "coordinator_address": coordinator_address,
+            "num_processes": num_processes,
+            "process_id": process_id,
+        }
+    elif slurm and (ids := slurm_local_device_ids(os.environ)) is not None:
+        kwargs["local_device_ids"] = ids
     jax.distributed.initialize(**kwargs)
     log.info(
         "jax.distributed: process %d of %d, %d local / %d global devices",

@@ -495,7 +495,14 @@ class HiddenStatesServer:
                 server._local.after = []
                 try:
                     code, payload = server.complete(body)
-                    self._send(code, payload)
+                    try:
+                        self._send(code, payload)
+                    except (BrokenPipeError, ConnectionResetError):
+                        # The client gave up (its timeout); it will ask again. What was
+                        # published for this answer is nobody's now (as with vLLM).
+                        log.warning("%s: the client closed the connection before the answer "
+                                    "(%s left unclaimed)", payload.get("id", "request"),
+                                    payload.get("kv_transfer_params"))
                 finally:  # deferred work runs even if the client went away
                     after, server._local.after = server._local.after, None
                     for fn in after:
