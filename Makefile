@@ -4,7 +4,7 @@ PY ?= .venv/bin/python
 DEMO := runs/demo
 VERIFIER := configs/demo/verifier
 
-.PHONY: demo test clean-demo
+.PHONY: demo demo-online test clean-demo
 
 demo: $(DEMO)/eval/summary.json
 	@cat $(DEMO)/eval/acceptance.md
@@ -36,8 +36,26 @@ $(DEMO)/eval/summary.json: $(DEMO)/export/config.json $(DEMO)/heldout/hidden_sta
 	$(PY) -m dspark_jax.eval --checkpoint $(DEMO)/checkpoints --step best --verifier $(VERIFIER) \
 		--total-seq-len 1024 --dataset heldout=$(DEMO)/heldout --output-dir $(DEMO)/eval
 
+# Optional: the demo drafter trained for one epoch on hidden states generated online
+# by launch/serve_hidden_states.py (file transport; no hidden-state file is read).
+ONLINE_PORT ?= 8765
+demo-online: $(DEMO)/data/hidden_states/extraction_config.json
+	mkdir -p $(DEMO)/online
+	$(PY) -m launch.serve_hidden_states $(VERIFIER) --target-layer-ids 1 2 3 \
+		--port $(ONLINE_PORT) --hidden-states-backend file \
+		--hidden-states-path $(DEMO)/online/staging > $(DEMO)/online/server.log 2>&1 & \
+	server=$$!; trap 'kill $$server' EXIT; \
+	for i in $$(seq 120); do \
+		curl -sf http://127.0.0.1:$(ONLINE_PORT)/health && break; \
+		kill -0 $$server 2>/dev/null || { cat $(DEMO)/online/server.log; exit 1; }; sleep 1; \
+	done; \
+	$(PY) -m dspark_jax.train --on-missing generate \
+		--vllm-endpoint http://127.0.0.1:$(ONLINE_PORT)/v1 \
+		--hidden-states-path $(DEMO)/online/no_files --epochs 1 \
+		--save-path $(DEMO)/online/checkpoints --run-name demo-online
+
 test:
 	$(PY) -m pytest -q
 
 clean-demo:
-	rm -rf $(DEMO)/checkpoints $(DEMO)/logs $(DEMO)/export $(DEMO)/eval
+	rm -rf $(DEMO)/checkpoints $(DEMO)/logs $(DEMO)/export $(DEMO)/eval $(DEMO)/online

@@ -5,7 +5,7 @@ training"), the initialised drafter is written to ``--save-path`` as a speculato
 folder (``config.json`` + ``model.safetensors`` in ``--hidden-states-dtype``), which
 ``--from-pretrained`` accepts. The report adds what a JAX run needs to know before it
 starts: the resolved geometry, the Muon/AdamW split, the mesh and rows per step, the
-state of the data, and the settings that need the online transport (not built yet).
+state of the data, and where generated samples come from (online transport).
 """
 
 from __future__ import annotations

@@ -135,7 +135,9 @@ def _check(op: str, key: str, status: Any) -> None:
 
 
 class _Staging:
-    """Registered host buffers, one per (thread, role), grown on demand."""
+    """Registered host buffers, one per (thread, role), grown on demand. Callers use
+    fixed thread pools (the online source, the server's writers), so the number of
+    buffers stays bounded."""
 
     def __init__(self, store: Any):
         self.store = store
@@ -149,7 +151,10 @@ class _Staging:
         if buf is not None:
             del self.buffers[slot]
             self.store.unregister_buffer(buf.ctypes.data)
-        capacity = -(-max(nbytes, 1) // _GRANULE) * _GRANULE
+        # Samples round up to 64 MiB steps (few re-registrations as lengths vary);
+        # small objects (meta JSON, error markers) to 1 MiB.
+        granule = _GRANULE if role != "meta" else 1 << 20
+        capacity = -(-max(nbytes, 1) // granule) * granule
         buf = np.empty(capacity, np.uint8)
         _check("register_buffer", f"<{role} staging>", self.store.register_buffer(buf.ctypes.data, capacity))
         self.buffers[slot] = buf
