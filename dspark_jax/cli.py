@@ -332,7 +332,8 @@ FLAGS: tuple[Flag, ...] = (
        "Slurm; single process otherwise)."),
     _f("num_processes", "jax", None, int, "jax.distributed process count."),
     _f("requests_in_flight", "jax", 4, int,
-       "Extractor requests kept in flight per data process with --on-missing generate."),
+       "With --on-missing generate: extractor requests at once per data process (the "
+       "loader works on as many steps ahead as that takes, at least two)."),
     _f("process_id", "jax", None, int, "jax.distributed process id."),
     _f("keep_checkpoints", "jax", 3, int,
        "Checkpoints kept (the newest ones; the best validation one is kept as well)."),

@@ -100,6 +100,7 @@ class OnlineSource:
         self._client: ExtractorClient | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._consecutive = 0
+        self._tripped: str | None = None  # the circuit breaker's message, once tripped
 
     def __getstate__(self) -> dict:
         return {"settings": self.settings, "transport": self.transport}
@@ -134,8 +135,16 @@ class OnlineSource:
                 self._client = client
             return self._client
 
+    def result(self, future: concurrent.futures.Future) -> np.ndarray | None:
+        """A submitted sample's :meth:`generate` result; requests cancelled because the
+        circuit breaker tripped raise its GenerationError."""
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise GenerationError(self._tripped or "hidden-state generation was stopped") from None
+
     def submit(self, row: int, input_ids: np.ndarray, **geometry: Any) -> concurrent.futures.Future:
-        """Start generating ``row`` on the pool; the future gives :meth:`generate`'s result."""
+        """Start generating ``row`` on the pool; :meth:`result` gives :meth:`generate`'s."""
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -159,6 +168,8 @@ class OnlineSource:
         Raises GenerationError when the circuit breaker trips or the server serves
         another model.
         """
+        if self._tripped:
+            raise GenerationError(self._tripped)
         attempts = self.settings.generation_validation_retries + 1
         where = f"hidden-state round trip for dataset row {row}"
         for attempt in range(1, attempts + 1):
@@ -193,11 +204,15 @@ class OnlineSource:
             f"{consecutive}/{limit}): {error}"
         )
         if consecutive >= limit:
-            raise GenerationError(
-                f"hidden-state generation circuit breaker: {consecutive} consecutive samples "
-                f"failed (--max-consecutive-generation-failures {limit}) against "
-                f"{self.settings.endpoint}; last: {error}"
-            )
+            with self._lock:
+                self._tripped = self._tripped or (
+                    f"hidden-state generation circuit breaker: {consecutive} consecutive "
+                    f"samples failed (--max-consecutive-generation-failures {limit}) against "
+                    f"{self.settings.endpoint}; last: {error}"
+                )
+                if self._pool is not None:  # no more requests: drop the queued ones
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+            raise GenerationError(self._tripped)
         logger.warning("%s", message)
 
     def _round_trip(

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -220,7 +221,7 @@ class StepLoader:
         # A document not requested up front (an earlier one was dropped and left
         # room) is requested now.
         future = pending.pop(file_idx, None) or self._submit(file_idx)
-        values = future.result()  # GenerationError (circuit breaker) propagates
+        values = self.online.result(future)  # GenerationError (circuit breaker) propagates
         if values is None:
             raise BadSampleError(
                 self.online.settings.endpoint, file_idx, "hidden-state generation failed"
@@ -503,7 +504,8 @@ class PackedData:
         ds = grain.MapDataset.range(start_step, loader.plan.num_steps).map(loader)
         it = ds.to_iter_dataset(
             grain.ReadOptions(
-                num_threads=read_threads if prefetch else 0, prefetch_buffer_size=prefetch
+                num_threads=self._read_threads(loader.plan, read_threads) if prefetch else 0,
+                prefetch_buffer_size=prefetch,
             )
         )
         if num_workers:
@@ -519,6 +521,16 @@ class PackedData:
                 )
             )
         return it
+
+    def _read_threads(self, plan: EpochPlan, read_threads: int) -> int:
+        """Steps loaded at once. Generating samples, enough steps to keep
+        ``requests_in_flight`` requests busy, and at least two, so that the extractor
+        works on the next step while this one is packed."""
+        if self.online is None:
+            return read_threads
+        docs = sum(len(plan.rank_docs(r)) for r in self.ranks) / max(1, plan.num_steps)
+        want = math.ceil(self.online.settings.requests_in_flight / max(1.0, docs))
+        return max(read_threads, 2, want)
 
     def train_iterator(
         self,

@@ -39,8 +39,11 @@ class TransportError(RuntimeError):
 
 def wait_for_lock(lock_path: str | os.PathLike, timeout: float, poll: float = 0.05) -> None:
     """Take the writer's ``.lock`` (exclusive flock: held until the file is complete),
-    then remove it, as speculators' client does."""
+    then remove it, as speculators' client does. Polls from 1 ms, doubling up to
+    ``poll``: the file usually lands a few ms after the answer, and a fixed 50 ms
+    poll cost ~40 ms per sample (bench/online_pipeline.py)."""
     fd = os.open(lock_path, os.O_RDWR)
+    delay = min(0.001, poll)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -52,7 +55,8 @@ def wait_for_lock(lock_path: str | os.PathLike, timeout: float, poll: float = 0.
                     raise TimeoutError(
                         f"timed out after {timeout:g}s waiting for the writer's lock {lock_path}"
                     ) from None
-                time.sleep(poll)
+                time.sleep(delay)
+                delay = min(delay * 2, poll)
     finally:
         os.close(fd)
     Path(lock_path).unlink(missing_ok=True)

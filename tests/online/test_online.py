@@ -190,15 +190,35 @@ def test_the_circuit_breaker_stops_after_consecutive_failures(data, tmp_path, fi
     assert list((tmp_path / "staging").iterdir()) == []
 
 
-def test_a_success_resets_the_consecutive_count(data, tmp_path, file_server):
+def test_a_success_resets_the_consecutive_count(data, file_server):
     srv = file_server(data)
-    for row in (0, 1, 3, 5, 8, 13):  # never 3 in a row within one step's requests
-        srv.faults[("http_500", row)] = -1
     online = source(srv, max_retries=0, generation_validation_retries=0,
-                    max_consecutive_generation_failures=3, requests_in_flight=1)  # fmt: skip
+                    max_consecutive_generation_failures=3)  # fmt: skip
+    geometry = {"n_aux": data.n_aux, "hidden_size": data.hidden_size}
+    for row in (0, 1, 3, 4, 6, 7, 8):
+        srv.faults[("http_500", row)] = -1
+    results = [online.generate(row, data.input_ids[row], **geometry) for row in range(6)]
+    assert [r is None for r in results] == [True, True, False, True, True, False]
+    assert online.stats.dropped == 4 and online.stats.generated == 2
+    assert online.generate(6, data.input_ids[6], **geometry) is None
+    assert online.generate(7, data.input_ids[7], **geometry) is None
+    with pytest.raises(GenerationError, match="circuit breaker: 3 consecutive"):
+        online.generate(8, data.input_ids[8], **geometry)  # the third in a row
+    # tripped: no further requests
+    requests = sum(srv.requests.values())
+    with pytest.raises(GenerationError, match="circuit breaker"):
+        online.generate(9, data.input_ids[9], **geometry)
+    assert sum(srv.requests.values()) == requests
+
+
+def test_dropped_samples_are_counted_in_error_records(data, tmp_path, file_server):
+    srv = file_server(data)
+    for row in (0, 5, 13):
+        srv.faults[("http_500", row)] = -1
+    online = source(srv, max_retries=0, generation_validation_retries=0)
     got = batches(data, tmp_path / "none", on_missing="generate", online=online)
-    assert online.stats.dropped == 6
-    assert sum(int(b["error_records"].sum()) for b in got) == 6
+    assert online.stats.dropped == 3
+    assert sum(int(b["error_records"].sum()) for b in got) == 3
 
 
 def test_wrong_served_model_stops_at_once(data, tmp_path, file_server):
