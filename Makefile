@@ -49,7 +49,7 @@ demo-online: $(DEMO)/data/hidden_states/extraction_config.json
 		curl -sf http://127.0.0.1:$(ONLINE_PORT)/health && break; \
 		kill -0 $$server 2>/dev/null || { cat $(DEMO)/online/server.log; exit 1; }; sleep 1; \
 	done; \
-	$(PY) -m dspark_jax.train --on-missing generate \
+	$(PY) -m dspark_jax.train --config configs/demo/train.yaml --on-missing generate \
 		--vllm-endpoint http://127.0.0.1:$(ONLINE_PORT)/v1 \
 		--hidden-states-path $(DEMO)/online/no_files --epochs 1 \
 		--save-path $(DEMO)/online/checkpoints --run-name demo-online
