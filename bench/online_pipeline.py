@@ -57,7 +57,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -240,36 +239,6 @@ class InProcessServer:
 
 
 # ------------------------------------------------------------------------ mooncake
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_master(log_path: Path) -> tuple[subprocess.Popen, str]:
-    import mooncake
-
-    binary = shutil.which("mooncake_master") or str(
-        Path(mooncake.__file__).parent / "mooncake_master"
-    )
-    port, metrics = free_port(), free_port()
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            [binary, "--rpc_port", str(port), "--metrics_port", str(metrics),
-             "--rpc_thread_num", "2", "--enable_disk_eviction=false", "--logtostderr=true"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc, f"127.0.0.1:{port}"
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"mooncake_master did not start: {log_path.read_text()[-2000:]}")
-        time.sleep(0.1)
 
 
 def consumer_store(master: str):
@@ -563,6 +532,8 @@ def main() -> None:
             if kind == "mooncake":
                 try:
                     import mooncake.store  # noqa: F401
+
+                    from tests.online.local_master import start_master
 
                     proc, cfg["master"] = start_master(root / "mooncake_master.log")
                     masters.append(proc)

@@ -5,17 +5,12 @@ are not installed; CI installs both (dev extra + .ci/run)."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import pytest
 
 from dspark_jax.data.mooncake import MooncakeConfig, MooncakeError, MooncakeHiddenStates, open_store
+from tests.online.local_master import start_master
 
 try:
     import mooncake.store  # noqa: F401
@@ -27,37 +22,10 @@ except (ImportError, OSError) as e:  # the wheel needs libibverbs.so.1 at import
 pytestmark = pytest.mark.skipif(MOONCAKE is not None, reason=str(MOONCAKE))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    import mooncake
-
-    binary = shutil.which("mooncake_master") or str(
-        Path(mooncake.__file__).parent / "mooncake_master"
-    )
-    port, metrics = _free_port(), _free_port()
-    log = tmp_path_factory.mktemp("mooncake") / "master.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [binary, "--rpc_port", str(port), "--metrics_port", str(metrics),
-             "--rpc_thread_num", "2", "--enable_disk_eviction=false", "--logtostderr=true"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"mooncake_master did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.1)
-    yield f"127.0.0.1:{port}"
+    proc, address = start_master(tmp_path_factory.mktemp("mooncake") / "master.log")
+    yield address
     proc.terminate()
     proc.wait(timeout=10)
 

@@ -27,16 +27,16 @@ def data(tmp_path_factory):
 
 
 def source(server, transport=None, **settings) -> OnlineSource:
-    kw = dict(
-        endpoint=server.base_url + "/v1",
-        model=SERVED,
-        request_timeout=5.0,
-        max_retries=2,
-        retry_backoff=0.01,
-        generation_validation_retries=2,
-        max_consecutive_generation_failures=5,
-        requests_in_flight=3,
-    )
+    kw = {
+        "endpoint": server.base_url + "/v1",
+        "model": SERVED,
+        "request_timeout": 5.0,
+        "max_retries": 2,
+        "retry_backoff": 0.01,
+        "generation_validation_retries": 2,
+        "max_consecutive_generation_failures": 5,
+        "requests_in_flight": 3,
+    }
     kw.update(settings)
     if transport is None:
         transport = (
