@@ -7,7 +7,9 @@ Two stages, mirroring ``speculators.models.dspark.metrics.compute_metrics``:
   builds its draft and target logits ([C, Vd], fp32) and reduces them to per-slot
   values ([C]). The chunk body is ``jax.checkpoint``-ed, so the backward pass
   recomputes one chunk's logits at a time and no fp32 [Q, Vd] array ever exists
-  (at Kimi-K3 scale one such array is 5.4 GB).
+  (at Kimi-K3 scale one such array is 5.4 GB); only the chunk's per-row statistics
+  (log-sum-exps, CE labels, overlap: [C] each) are kept, so the backward redoes the
+  matmuls but none of the forward's vocab-row reductions.
 * :func:`dspark_loss` turns those [Q] vectors into the loss (masked, position
   weighted terms + the confidence BCE) and the reference's metric dict.
 
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 __all__ = [
     "PER_POSITION_TERMS",
@@ -137,15 +141,61 @@ def _logits_matmul_bwd(res, g: jax.Array):
 _logits_matmul.defvjp(_logits_matmul_fwd, _logits_matmul_bwd)
 
 
+# The per-row statistics ([C, 1] / [C]) each chunk keeps for its backward. The chunk
+# body is rematerialised there (see per_position_values); with nothing kept, XLA redid
+# every vocab-row reduction of the forward in it: both log-softmaxes' maxima and sums
+# and argmax(t), a variadic value+index reduce that costs ~8x a plain max on XLA:CPU
+# (bench/README.md, "Where JAX is slower" item 1). With these saved, the backward
+# recomputes the logit matmuls and elementwise terms, and reduces over the vocab only
+# for the cotangent's own row sum (the log-softmax VJP).
+_ROW_STATS = ("draft_lse", "target_lse", "target_ids", "overlap")
+
+
+def _row_logsumexp(x: jax.Array) -> jax.Array:
+    """[C, V] -> [C, 1], shifted by the row max as jax.nn.logsumexp does."""
+    x_max = jax.lax.stop_gradient(jnp.max(x, axis=-1, initial=-jnp.inf, keepdims=True))
+    return x_max + jnp.log(jnp.sum(jnp.exp(x - x_max), axis=-1, keepdims=True))
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _logsumexp(x: jax.Array, name: str) -> jax.Array:
+    return _row_logsumexp(x)
+
+
+@_logsumexp.defjvp
+def _logsumexp_jvp(name: str, primals, tangents):
+    # The JVP reads the output only (d lse = softmax(x) . dx, softmax = exp(x - lse)),
+    # so the backward needs the saved lse, not the max and the sum autodiff would keep.
+    # Named here, not inside the custom_jvp function, where the policy cannot see it.
+    (x,), (dx,) = primals, tangents
+    lse = checkpoint_name(_row_logsumexp(x), name)
+    return lse, jnp.sum(jnp.exp(x - lse) * dx, axis=-1, keepdims=True)
+
+
+def _log_softmax(x: jax.Array, name: str) -> jax.Array:
+    """``x - logsumexp(x)`` over the last axis; the [C, 1] logsumexp is the named residual.
+
+    One residual per row instead of the (max, sum) pair of ``jax.nn.log_softmax``: saving
+    the max as well cost one more fp32 [C, Vd] buffer in XLA:CPU's schedule (+640 MiB
+    compiled temp at Kimi-K3 scale). Forward values equal jax.nn.log_softmax's to
+    rounding.
+    """
+    # Named again out here for inputs without a tangent (the target logits), where the
+    # custom_jvp call is a plain call and its JVP rule's name never runs.
+    return x - checkpoint_name(_logsumexp(x, name), name)
+
+
 def _chunk_values(z: jax.Array, t: jax.Array, terms: tuple[str, ...]) -> dict[str, jax.Array]:
     """Per-slot values of one chunk from fp32 logits z (draft) and t (target), [C, Vd]."""
     out: dict[str, jax.Array] = {}
-    logq = jax.nn.log_softmax(z, axis=-1)
-    logp = jax.nn.log_softmax(t, axis=-1)
+    logq = _log_softmax(z, "draft_lse")
+    logp = _log_softmax(t, "target_lse")
     q = jnp.exp(logq)
     p = jnp.exp(logp)
-    target_ids = jnp.argmax(t, axis=-1).astype(jnp.int32)
-    overlap = jnp.sum(jnp.minimum(q, p), axis=-1)  # differentiable through q
+    # The CE label indexes logq, so the backward needs it: saved, not re-reduced.
+    target_ids = checkpoint_name(jnp.argmax(t, axis=-1).astype(jnp.int32), "target_ids")
+    # Its value is read by the nla / lk_hybrid gradients: saved too.
+    overlap = checkpoint_name(jnp.sum(jnp.minimum(q, p), axis=-1), "overlap")  # grad via q
     tv = 1.0 - overlap
 
     def kl() -> jax.Array:
@@ -174,9 +224,10 @@ def _chunk_values(z: jax.Array, t: jax.Array, terms: tuple[str, ...]) -> dict[st
             out[name] = lam * kl() + (1.0 - lam) * tv
         else:  # guarded by per_position_values
             raise AssertionError(name)
+    # Metrics only: nothing differentiates them, so the backward never recomputes them.
     # The reference forms accept_rate as 1 - tv_loss(...); keep that rounding.
     out["accept"] = jax.lax.stop_gradient(1.0 - tv)
-    out["pred_ids"] = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    out["pred_ids"] = jnp.argmax(jax.lax.stop_gradient(z), axis=-1).astype(jnp.int32)
     out["target_ids"] = target_ids
     return out
 
@@ -261,7 +312,9 @@ def per_position_values(
         None if markov_feature is None else to_chunks(markov_feature),
     )
 
-    @jax.checkpoint
+    # Rematerialised per chunk: the forward keeps the inputs and the per-row statistics
+    # (_ROW_STATS, [C] each, O(Q) over the scan); the backward recomputes the logits.
+    @partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(*_ROW_STATS))
     def body(carry: None, x: tuple[jax.Array, jax.Array, jax.Array | None]):
         h, th, f = x
         z = _logits_matmul(h, lm_head)

@@ -284,6 +284,58 @@ def test_grad_program_never_builds_a_full_vocab_array():
     assert max(math.prod(a.shape) for a in _avals(naive) if hasattr(a, "shape")) == q * v
 
 
+_ROW_REDUCTIONS = ("reduce_max", "reduce_min", "argmax", "argmin", "reduce_sum")
+
+
+def _vocab_row_reductions(jaxpr, vocab):
+    """Count of each reduction over a last axis of size ``vocab``, nested jaxprs included."""
+    counts = dict.fromkeys(_ROW_REDUCTIONS, 0)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in counts:
+            shape = eqn.invars[0].aval.shape
+            if shape and shape[-1] == vocab and (len(shape) - 1) in eqn.params["axes"]:
+                counts[eqn.primitive.name] += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    for k, n in _vocab_row_reductions(inner, vocab).items():
+                        counts[k] += n
+    return counts
+
+
+@pytest.mark.parametrize("terms", [(t,) for t in PER_POSITION_TERMS] + [PER_POSITION_TERMS])
+def test_backward_recomputes_no_vocab_row_reduction(terms):
+    # The chunk is rematerialised in the backward; its per-row statistics (both
+    # log-sum-exps, argmax(t), the overlap) are saved, so the backward adds no max /
+    # argmax over the vocab and one row sum only: the log-softmax cotangent's. With
+    # nothing saved it redid the maxima, argmax(t) and the sums of exponentials.
+    q, v = 32, 40
+    ks = jax.random.split(jax.random.key(2), 6)
+    args = (
+        jax.random.normal(ks[0], (q, 4)),
+        jax.random.normal(ks[1], (4, v)),
+        jax.random.normal(ks[2], (q, 4)),
+        jax.random.normal(ks[3], (4, v)),
+        jax.random.normal(ks[4], (q, 2)),
+        jax.random.normal(ks[5], (2, v)),
+    )
+
+    def loss(h, w, th, wv, f, w2):
+        vals = per_position_values(h, w, th, wv, f, w2, terms=terms, chunk_size=16)
+        return dspark_loss(
+            vals, None, jnp.ones(q), block_size=8, loss_weights=dict.fromkeys(terms, 1.0)
+        )[0]
+
+    fwd = _vocab_row_reductions(jax.make_jaxpr(loss)(*args).jaxpr, v)
+    both = _vocab_row_reductions(
+        jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 4, 5)))(*args).jaxpr, v
+    )
+    assert fwd["argmax"] == 2 and fwd["reduce_max"] == 2  # labels, predictions; 2 softmaxes
+    backward = {k: both[k] - fwd[k] for k in _ROW_REDUCTIONS}
+    assert backward == {**dict.fromkeys(_ROW_REDUCTIONS, 0), "reduce_sum": 1}, backward
+
+
 def test_vmap_over_rows_matches_per_row(oracle):
     args, _, _ = oracle
     rows = [args, _random_inputs(seed=3)]
