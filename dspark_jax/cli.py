@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import shlex
+import socket
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -750,9 +751,6 @@ def online_source(args: TrainArgs, store_factory=None):
         requests_in_flight=args.requests_in_flight,
     )
     if args.hidden_states_backend == "mooncake":
-        import os
-        import socket
-
         # As the reference: the address this host registers with the master.
         host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or socket.gethostbyname(
             socket.gethostname()

@@ -234,35 +234,45 @@ def test_bf16_inputs_accumulate_in_fp32(oracle):
         )
 
 
-def _avals(jaxpr):
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr``, those of nested (Closed)Jaxprs included."""
     for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            yield v.aval
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 if hasattr(sub, "eqns"):  # Jaxpr
-                    yield from _avals(sub)
+                    yield from _eqns(sub)
                 elif hasattr(sub, "jaxpr") and hasattr(sub, "consts"):  # ClosedJaxpr
-                    yield from _avals(sub.jaxpr)
+                    yield from _eqns(sub.jaxpr)
+
+
+def _avals(jaxpr):
+    for eqn in _eqns(jaxpr):
+        for v in eqn.outvars:
+            yield v.aval
+
+
+def _chunked_loss_args(q, v, seed):
+    """(h, lm_head, target h, verifier head, markov feature, markov weights)."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    shapes = ((q, 4), (4, v), (q, 4), (4, v), (q, 2), (2, v))
+    return tuple(jax.random.normal(k, s) for k, s in zip(ks, shapes, strict=True))
+
+
+def _chunked_loss(q, terms, loss_weights):
+    """The chunked per-position values (chunks of 16) reduced to the DSpark loss."""
+
+    def loss(h, w, th, wv, f, w2):
+        vals = per_position_values(h, w, th, wv, f, w2, terms=terms, chunk_size=16)
+        return dspark_loss(vals, None, jnp.ones(q), block_size=8, loss_weights=loss_weights)[0]
+
+    return loss
 
 
 def test_grad_program_never_builds_a_full_vocab_array():
     q, v = 64, 48
-    ks = jax.random.split(jax.random.key(1), 6)
-    args = (
-        jax.random.normal(ks[0], (q, 4)),
-        jax.random.normal(ks[1], (4, v)),
-        jax.random.normal(ks[2], (q, 4)),
-        jax.random.normal(ks[3], (4, v)),
-        jax.random.normal(ks[4], (q, 2)),
-        jax.random.normal(ks[5], (2, v)),
-    )
-
-    def loss(h, w, th, wv, f, w2):
-        vals = per_position_values(h, w, th, wv, f, w2, terms=PER_POSITION_TERMS, chunk_size=16)
-        return dspark_loss(
-            vals, None, jnp.ones(q), block_size=8, loss_weights={"ce": 1.0, "tv": 1.0}
-        )[0]
+    args = _chunked_loss_args(q, v, seed=1)
+    loss = _chunked_loss(q, PER_POSITION_TERMS, {"ce": 1.0, "tv": 1.0})
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 4, 5)))(*args).jaxpr
     sizes = [math.prod(a.shape) for a in _avals(jaxpr) if hasattr(a, "shape")]
@@ -290,17 +300,11 @@ _ROW_REDUCTIONS = ("reduce_max", "reduce_min", "argmax", "argmin", "reduce_sum")
 def _vocab_row_reductions(jaxpr, vocab):
     """Count of each reduction over a last axis of size ``vocab``, nested jaxprs included."""
     counts = dict.fromkeys(_ROW_REDUCTIONS, 0)
-    for eqn in jaxpr.eqns:
+    for eqn in _eqns(jaxpr):
         if eqn.primitive.name in counts:
             shape = eqn.invars[0].aval.shape
             if shape and shape[-1] == vocab and (len(shape) - 1) in eqn.params["axes"]:
                 counts[eqn.primitive.name] += 1
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-                if hasattr(inner, "eqns"):
-                    for k, n in _vocab_row_reductions(inner, vocab).items():
-                        counts[k] += n
     return counts
 
 
@@ -311,21 +315,8 @@ def test_backward_recomputes_no_vocab_row_reduction(terms):
     # argmax over the vocab and one row sum only: the log-softmax cotangent's. With
     # nothing saved it redid the maxima, argmax(t) and the sums of exponentials.
     q, v = 32, 40
-    ks = jax.random.split(jax.random.key(2), 6)
-    args = (
-        jax.random.normal(ks[0], (q, 4)),
-        jax.random.normal(ks[1], (4, v)),
-        jax.random.normal(ks[2], (q, 4)),
-        jax.random.normal(ks[3], (4, v)),
-        jax.random.normal(ks[4], (q, 2)),
-        jax.random.normal(ks[5], (2, v)),
-    )
-
-    def loss(h, w, th, wv, f, w2):
-        vals = per_position_values(h, w, th, wv, f, w2, terms=terms, chunk_size=16)
-        return dspark_loss(
-            vals, None, jnp.ones(q), block_size=8, loss_weights=dict.fromkeys(terms, 1.0)
-        )[0]
+    args = _chunked_loss_args(q, v, seed=2)
+    loss = _chunked_loss(q, terms, dict.fromkeys(terms, 1.0))
 
     fwd = _vocab_row_reductions(jax.make_jaxpr(loss)(*args).jaxpr, v)
     both = _vocab_row_reductions(

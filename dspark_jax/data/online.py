@@ -153,11 +153,6 @@ class OnlineSource:
             pool = self._pool
         return pool.submit(self.generate, row, input_ids, **geometry)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
     # ------------------------------------------------------------------ one sample
     def generate(
         self, row: int, input_ids: np.ndarray, *, n_aux: int, hidden_size: int
