@@ -165,7 +165,7 @@ def build_publisher(cfg: dict, store=None):
 
     if cfg["transport"] == "file":
         return FilePublisher(cfg["staging"])
-    from dspark_jax.data.mooncake import MooncakeConfig, MooncakeHiddenStates, open_store
+    from dspark_jax.data.online.mooncake import MooncakeConfig, MooncakeHiddenStates, open_store
 
     if store is None:
         store = open_store(
@@ -243,7 +243,7 @@ class InProcessServer:
 
 def consumer_store(master: str):
     """A trainer-side store client (no global segment, as in the seed command)."""
-    from dspark_jax.data.mooncake import MooncakeConfig, open_store
+    from dspark_jax.data.online.mooncake import MooncakeConfig, open_store
 
     return open_store(
         MooncakeConfig(
@@ -336,7 +336,7 @@ class Checker:
 
 
 def online_source(base_url: str, transport, in_flight: int):
-    from dspark_jax.data.online import OnlineSettings, OnlineSource
+    from dspark_jax.data.online.source import OnlineSettings, OnlineSource
 
     return OnlineSource(
         OnlineSettings(endpoint=base_url + "/v1", model=SERVED, requests_in_flight=in_flight),
@@ -345,8 +345,8 @@ def online_source(base_url: str, transport, in_flight: int):
 
 
 def jax_transport(kind: str, store):
-    from dspark_jax.data.mooncake import MooncakeConfig
-    from dspark_jax.data.transport import FileTransport, MooncakeTransport
+    from dspark_jax.data.online.mooncake import MooncakeConfig
+    from dspark_jax.data.online.transport import FileTransport, MooncakeTransport
 
     if kind == "file":
         return FileTransport()

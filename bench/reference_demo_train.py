@@ -50,8 +50,6 @@ def main() -> None:
 
     os.chdir(ROOT)  # the demo YAML uses repo-relative paths
 
-    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
-
     from speculators.model import SpeculatorModel
     from speculators.train.cli import build_draft_model, parse_vocab_mappings, set_seed
     from speculators.train.config.schema import TrainConfig
@@ -59,6 +57,7 @@ def main() -> None:
     from speculators.train.optimizers import build_optimizers
     from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
     from speculators.train.utils import normalize_counted_metrics
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
     try:
         from hs_connectors import HiddenStatesBackend

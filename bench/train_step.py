@@ -341,8 +341,8 @@ def jax_setup(args, cfg: DSparkConfig, seq: int, num_anchors: int, abstract: boo
     import optax
     from flax import nnx
 
-    from converters.keys import from_speculators, speculators_key
     from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, row_loss
+    from dspark_jax.model.params import from_speculators, speculators_key
     from dspark_jax.optim import build_optimizer
 
     settings = LossSettings.from_loss_fn(

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _warm_start(args):
-    from converters.importer import WarmStart
+    from dspark_jax.convert.importer import WarmStart
 
     return WarmStart(
         markov_rank=args.markov_rank,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore INFO lines
     if args.command == "check":
-        from converters.check import check_folder
+        from dspark_jax.convert.check import check_folder
 
         report = check_folder(args.folder, target=args.target)
         if args.json:
@@ -122,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             print(report.format())
         return 0 if report.ok else 1
 
-    from converters.check import CheckError
-    from converters.orbax_io import CheckpointError
-    from dspark_jax.vocab import VocabError
+    from dspark_jax.convert.check import CheckError
+    from dspark_jax.data.vocab import VocabError
+    from dspark_jax.train.checkpoint import CheckpointError
 
     try:
         if args.command == "export":
-            from converters.export import ExportError, export_checkpoint
+            from dspark_jax.convert.export import ExportError, export_checkpoint
 
             try:
                 report, step = export_checkpoint(
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(f"exported step {step} of {args.checkpoint}\n{report.format()}")
             return 0
-        from converters.importer import ImportFolderError, import_folder
+        from dspark_jax.convert.importer import ImportFolderError, import_folder
 
         try:
             result = import_folder(

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-HIDDEN_STATES_KEY = "hidden_states"
-TOKEN_IDS_KEY = "token_ids"
-SCALES_KEY = "hidden_states_scales"
-CONFIG_NAME = "extraction_config.json"
+# The folder's names have one owner, shared with the JAX reader (no JAX imported).
+from dspark_jax.data.hs_names import (  # noqa: F401 (re-exported to launch/)
+    EXTRACTION_CONFIG,
+    HIDDEN_STATES_KEY,
+    SCALES_KEY,
+    TOKEN_IDS_KEY,
+    hs_name,
+    hs_path,
+)
+
+CONFIG_NAME = EXTRACTION_CONFIG
 PARTIAL_RE = re.compile(r"^\.hs_\d+\.safetensors\.partial-\d+$")
 FINAL_RE = re.compile(r"^hs_(\d+)\.safetensors$")
 
@@ -50,14 +57,6 @@ _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3":
 
 class HiddenStatesError(ValueError):
     """A hidden-state file or payload that does not match what is expected."""
-
-
-def hs_name(index: int) -> str:
-    return f"hs_{index}.safetensors"
-
-
-def hs_path(directory: str | Path, index: int) -> Path:
-    return Path(directory) / hs_name(index)
 
 
 def partial_path(final: Path) -> Path:

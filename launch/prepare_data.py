@@ -227,7 +227,7 @@ class EndpointRenderer:
         self.max_retries, self.backoff = max_retries, backoff
 
     def __call__(self, messages, add_generation_prompt, tools=None) -> list[int]:
-        from dspark_jax.data.http import HTTPStatusError, post_json, retry
+        from dspark_jax.data.online.http import HTTPStatusError, post_json, retry
 
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                 "truncate_prompt_tokens": self.max_length, "truncation_side": "right"}

@@ -108,7 +108,7 @@ def sanitize_key(key: str) -> str:
 
 def to_numpy(t: torch.Tensor):
     """A CPU tensor as a numpy array with the same bytes (bf16 / fp8 via ml_dtypes)."""
-    from dspark_jax.data.mooncake import np_dtype
+    from dspark_jax.data.online.mooncake import np_dtype
 
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
@@ -199,7 +199,7 @@ class FilePublisher(Publisher):
 
 
 class MooncakePublisher(Publisher):
-    """Puts samples into a Mooncake store (``dspark_jax.data.mooncake``) from a fixed
+    """Puts samples into a Mooncake store (``dspark_jax.data.online.mooncake``) from a fixed
     pool of writer threads (the store's registered staging buffers are per thread, so
     a bounded pool bounds them), then answers."""
 
@@ -605,7 +605,7 @@ def _local_hostname() -> str:
 def build_publisher(args: argparse.Namespace) -> Publisher:
     if args.hidden_states_backend == "file":
         return FilePublisher(args.hidden_states_path, writer_threads=args.file_writer_threads)
-    from dspark_jax.data.mooncake import MooncakeConfig, MooncakeHiddenStates, open_store
+    from dspark_jax.data.online.mooncake import MooncakeConfig, MooncakeHiddenStates, open_store
 
     config = MooncakeConfig.from_gib(
         global_segment_gib=args.mooncake_global_segment_gib,

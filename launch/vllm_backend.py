@@ -39,9 +39,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dspark_jax.data.extractor_client import ExtractorClient, transfer_handle
-from dspark_jax.data.http import HTTPStatusError, InvalidResponseError, get_status
-from dspark_jax.data.transport import wait_for_lock
+from dspark_jax.data.online.client import ExtractorClient, transfer_handle
+from dspark_jax.data.online.http import HTTPStatusError, InvalidResponseError, get_status
+from dspark_jax.data.online.transport import wait_for_lock
 from launch.hs_files import (
     HiddenStatesError,
     commit_file,

@@ -27,8 +27,9 @@ import ml_dtypes
 import numpy as np
 import pyarrow as pa
 
+from dspark_jax.data.hs_names import EXTRACTION_CONFIG, SCALES_KEY
+
 REQUIRED_COLUMNS = ("input_ids", "loss_mask", "seq_len")
-SCALES_KEY = "hidden_states_scales"
 
 # safetensors dtype names -> numpy dtypes (ml_dtypes for the ones numpy lacks).
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
@@ -214,10 +215,6 @@ class HiddenStates:
     nbytes_read: int
 
 
-def hs_path(hidden_states_dir: str | os.PathLike, file_idx: int) -> Path:
-    return Path(hidden_states_dir) / f"hs_{file_idx}.safetensors"
-
-
 def read_hidden_states(
     path: str | os.PathLike,
     *,
@@ -399,7 +396,6 @@ def first_non_finite(x: np.ndarray) -> tuple[int, ...] | None:
     return tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
 
 
-EXTRACTION_CONFIG = "extraction_config.json"
 
 
 def check_extraction_config(

@@ -63,10 +63,10 @@ from dspark_jax.data.files import (
     PreparedDataset,
     check_extraction_config,
     hidden_states_file_dtype,
-    hs_path,
     read_hidden_states,
 )
-from dspark_jax.data.online import OnlineSource
+from dspark_jax.data.hs_names import hs_path
+from dspark_jax.data.online.source import OnlineSource
 from dspark_jax.data.packing import EpochPlan, RowBuffers, plan_epoch
 
 logger = logging.getLogger(__name__)

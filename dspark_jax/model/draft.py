@@ -56,6 +56,18 @@ class FrozenWeights(NamedTuple):
             if got != shape:
                 raise ValueError(f"FrozenWeights.{name}: expected shape {shape}, got {got}")
 
+    @classmethod
+    def from_verifier(cls, embed_tokens, lm_head_rows, norm, cfg: DSparkConfig) -> FrozenWeights:
+        """The frozen tensors from the verifier's (host) arrays, checked against ``cfg``.
+
+        ``lm_head_rows``: [Vd, H], the verifier head's rows of the draft vocabulary (torch
+        layout); it serves as both the draft head and the targets' head (kernel layout).
+        """
+        head = lm_head_rows.T  # [H, Vd]
+        frozen = cls(embed_tokens, head, head, norm)
+        frozen.check(cfg)
+        return frozen
+
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:

@@ -1,6 +1,6 @@
 """``--dry-run``: build and initialise the drafter, save it, report what the run needs.
 
-Like the reference (``cli.py``: "persist an initialized checkpoint and exit before
+Like the reference (``flags.py``: "persist an initialized checkpoint and exit before
 training"), the initialised drafter is written to ``--save-path`` as a speculators
 folder (``config.json`` + ``model.safetensors`` in ``--hidden-states-dtype``), which
 ``--from-pretrained`` accepts. The report adds what a JAX run needs to know before it
@@ -14,29 +14,44 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax import cli, draft_init, optim
-from dspark_jax.data.files import DataError, PreparedDataset, hs_path
-from dspark_jax.verifier import load_verifier_tensors
+from dspark_jax import optim
+from dspark_jax.data.files import DataError, PreparedDataset
+from dspark_jax.data.hs_names import hs_path
+from dspark_jax.data.verifier import load_verifier_tensors
+from dspark_jax.model.params import leaf_key, to_host
+from dspark_jax.train import drafter_setup, flags, online_setup
 
-if TYPE_CHECKING:
-    from dspark_jax.train import Trainer
+
+class PlannedRun(Protocol):
+    """What the dry run reads off the trainer (``trainer.Trainer`` provides it)."""
+
+    args: flags.TrainArgs
+    cfg: Any
+    setup: drafter_setup.DraftSetup
+    mesh: jax.sharding.Mesh
+    rows_per_step: int
+    is_main: bool
+
+    def abstract_state(self) -> tuple[Any, Any]: ...
+
+    def init_params(self, shardings) -> nnx.State: ...
 
 
-def missing_hidden_states(args: cli.TrainArgs) -> tuple[int, list[int]]:
+def missing_hidden_states(args: flags.TrainArgs) -> tuple[int, list[int]]:
     """(rows of the prepared dataset, the rows without an ``hs_{i}.safetensors``)."""
-    hs = draft_init.hidden_states_dir(args)
+    hs = drafter_setup.hidden_states_dir(args)
     n = len(PreparedDataset(Path(args.data_path)))
     have = set(os.listdir(hs)) if hs.is_dir() else set()
     return n, [i for i in range(n) if hs_path(hs, i).name not in have]
 
 
-def _data_report(args: cli.TrainArgs) -> str:
+def _data_report(args: flags.TrainArgs) -> str:
     data = Path(args.data_path)
     if not data.is_dir():
         return f"data: {data} does not exist (yet)"
@@ -44,24 +59,24 @@ def _data_report(args: cli.TrainArgs) -> str:
         n, missing = missing_hidden_states(args)
     except (DataError, OSError) as e:
         return f"data: {data}: {e}"
-    hs = draft_init.hidden_states_dir(args)
+    hs = drafter_setup.hidden_states_dir(args)
     return f"data: {n} rows in {data}; {len(missing)} without a hidden-state file in {hs}"
 
 
-def dry_run(trainer: Trainer) -> int:
+def dry_run(trainer: PlannedRun) -> int:
     args, cfg = trainer.args, trainer.cfg
     save = Path(args.save_path)
     if trainer.is_main:
         args.save(save)
-    _, abstract = trainer._abstract()
+    _, abstract = trainer.abstract_state()
     # On one device: the weights go to the host anyway, and a mesh would generate
     # every replicated parameter once per device.
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    host = draft_init.jax_host_copy(trainer.init_params(jax.tree.map(lambda _: one, abstract)))
+    host = to_host(trainer.init_params(jax.tree.map(lambda _: one, abstract)))
     keys = set(optim.muon_param_keys(host)) if args.optimizer == "muon" else set()
     sizes = {p: int(np.prod(v[...].shape)) for p, v in nnx.to_flat_state(host)}
     total = sum(sizes.values())
-    n_muon = sum(n for p, n in sizes.items() if optim.leaf_key(p)[0] in keys)
+    n_muon = sum(n for p, n in sizes.items() if leaf_key(p)[0] in keys)
     lines = [
         (
             f"drafter from {trainer.setup.source}: {cfg.num_hidden_layers} layers, hidden "
@@ -86,13 +101,13 @@ def dry_run(trainer: Trainer) -> int:
         ),
         _data_report(args),
     ]
-    online = cli.online_summary(args)
+    online = online_setup.online_summary(args)
     if online:
         lines.append(online)
     if not trainer.is_main:
         return 0
-    from converters.check import check_folder
-    from converters.export import export_params
+    from dspark_jax.convert.check import check_folder
+    from dspark_jax.convert.export import export_params
 
     maps = trainer.setup.vocab_maps
     lm_head = None

@@ -5,7 +5,7 @@
         --dataset heldout=runs/demo/heldout [--dataset code=/data/humaneval ...] \\
         --output-dir runs/demo/eval
 
-The checkpoint is a training/params Orbax directory (``converters/orbax_io.py``) or
+The checkpoint is a training/params Orbax directory (``converters/checkpoint.py``) or
 an exported speculators folder (``config.json`` + ``model.safetensors``; imported
 into a temporary checkpoint first). Each dataset is a prepared folder with its
 hidden states (the training formats), evaluated whole: rows packed to
@@ -13,14 +13,14 @@ hidden states (the training formats), evaluated whole: rows packed to
 valid anchor of every row (``--num-anchors all``, the default) or at a seeded
 sample of them.
 
-Per dataset (definitions: :mod:`dspark_jax.drafting`, :mod:`dspark_jax.acceptance`):
+Per dataset (definitions: :mod:`dspark_jax.eval.slot_statistics`, :mod:`dspark_jax.eval.acceptance`):
 acceptance by draft position and acceptance length under the analytic rule
 (rejection sampling, ``sum_v min(q, p)`` chained) and greedy match, each with the
 Markov head on the drafter's own tokens (free running) and on the dataset's
 (teacher forcing), and the same by context length. With a confidence head: ECE,
 AUROC and Brier of its prefix-survival prediction, before and after sequential
 temperature scaling fitted on half of the documents and scored on the other half
-(:mod:`dspark_jax.calibration`); the temperatures are saved beside the checkpoint.
+(:mod:`dspark_jax.eval.calibration`); the temperatures are saved beside the checkpoint.
 
 Outputs in ``--output-dir``: ``acceptance.md`` (also printed), ``acceptance.csv``,
 ``acceptance_by_context.csv``, ``calibration.csv``, ``summary.json``, and PNG plots
@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -49,9 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import acceptance, calibration, eval_report
 from dspark_jax.config import DSparkConfig
-from dspark_jax.drafting import row_statistics
+from dspark_jax.convert import load
+from dspark_jax.data.verifier import load_verifier_tensors
+from dspark_jax.eval import acceptance, calibration, report
+from dspark_jax.eval.slot_statistics import row_statistics
 from dspark_jax.model.draft import ROW_KEYS, DSparkDraftModel, FrozenWeights
 
 log = logging.getLogger("dspark_jax.eval")
@@ -75,23 +75,6 @@ class Drafter:
     temperatures_path: Path  # where the fitted temperatures go by default
 
 
-def is_speculators_folder(path: Path) -> bool:
-    """config.json + weights and no Orbax step folders (a training ``--save-path`` holds
-    the run's config.json beside its numbered steps: that is a checkpoint)."""
-    if any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
-        return False
-    cfg = path / "config.json"
-    weights = (path / "model.safetensors").is_file() or (
-        path / "model.safetensors.index.json"
-    ).is_file()
-    if not cfg.is_file() or not weights:
-        return False
-    try:
-        return "speculators_model_type" in json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 def load_drafter(
     path: str | Path,
     step: int | str | None = None,
@@ -100,41 +83,22 @@ def load_drafter(
     t2d_path: str | None = None,
 ) -> Drafter:
     """An Orbax checkpoint directory or a speculators folder -> :class:`Drafter`."""
-    from converters import orbax_io
-
     path = Path(path)
-    if not path.is_dir():
-        raise EvalError(f"--checkpoint {path}: no such directory")
-    if is_speculators_folder(path):
-        from converters.importer import ImportFolderError, import_folder
-
-        with tempfile.TemporaryDirectory(prefix="dspark-eval-import-") as tmp:
-            try:
-                import_folder(path, Path(tmp) / "ckpt")
-            except ImportFolderError as e:
-                raise EvalError(f"--checkpoint {path}: {e}") from None
-            loaded = orbax_io.load_params(Path(tmp) / "ckpt", 0)
-            maps = orbax_io.load_checkpoint_vocab_maps(
-                Path(tmp) / "ckpt", loaded.cfg, d2t_path, t2d_path
-            )
-        return Drafter(loaded.cfg, loaded.params, None, str(path), maps, path / TEMPERATURES_FILE)
     try:
-        loaded = orbax_io.load_params(path, step)
-        maps = orbax_io.load_checkpoint_vocab_maps(path, loaded.cfg, d2t_path, t2d_path)
-    except orbax_io.CheckpointError as e:
-        raise EvalError(f"--checkpoint {path}: {e}") from None
-    temps = path / f"confidence_temperatures-{loaded.step}.json"
-    return Drafter(loaded.cfg, loaded.params, loaded.step, str(path), maps, temps)
+        loaded = load.load_drafter(path, step, d2t_path=d2t_path, t2d_path=t2d_path)
+    except load.DrafterLoadError as e:
+        raise EvalError(f"--checkpoint {e}") from None
+    if loaded.step is None:  # a speculators folder: temperatures beside its config.json
+        temps = path / TEMPERATURES_FILE
+    else:
+        temps = path / f"confidence_temperatures-{loaded.step}.json"
+    return Drafter(loaded.cfg, loaded.params, loaded.step, str(path), loaded.vocab_maps, temps)
 
 
 def load_frozen(cfg: DSparkConfig, verifier: str | Path, t2d: np.ndarray | None) -> FrozenWeights:
-    from dspark_jax.verifier import load_verifier_tensors
-
     vt = load_verifier_tensors(verifier, t2d)
-    head = vt.lm_head.T  # [H, Vd]
-    frozen = FrozenWeights(vt.embed_tokens, head, head, vt.norm)
     try:
-        frozen.check(cfg)
+        frozen = FrozenWeights.from_verifier(vt.embed_tokens, vt.lm_head, vt.norm, cfg)
     except ValueError as e:
         raise EvalError(f"verifier {verifier} does not fit the drafter: {e}") from None
     return jax.tree.map(jnp.asarray, frozen)
@@ -249,7 +213,7 @@ class Evaluator:
 
     def dataset(
         self, name: str, data_path: str | Path, hidden_states_path: str | Path | None = None
-    ) -> eval_report.DatasetBlocks:
+    ) -> report.DatasetBlocks:
         from dspark_jax.data.files import DataError
         from dspark_jax.data.pipeline import PackedData
 
@@ -298,10 +262,10 @@ class Evaluator:
                 f"(anchor rule {s.anchor_rule!r}: needs supervised tokens, loss_mask == 1)"
             )
         arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        return eval_report.DatasetBlocks(name, arrays, rows, documents, skipped)
+        return report.DatasetBlocks(name, arrays, rows, documents, skipped)
 
 
-def add_realised_draws(blocks: eval_report.DatasetBlocks, seed: int) -> None:
+def add_realised_draws(blocks: report.DatasetBlocks, seed: int) -> None:
     """``y_sampled``: one realised accept/reject per slot, Bernoulli(accept_fr) (seeded)."""
     rng = np.random.default_rng([seed, 7])
     a = blocks.arrays["accept_fr"]
@@ -392,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-plots", action="store_true")
 
     g = p.add_argument_group("calibration")
-    g.add_argument("--calibration-rule", default="sampled", choices=tuple(eval_report.CALIBRATION_RULES),
+    g.add_argument("--calibration-rule", default="sampled", choices=tuple(report.CALIBRATION_RULES),
                    help="the rule whose temperatures the file's 'temperatures' holds")  # fmt: skip
     g.add_argument("--calibration-fit-fraction", type=float, default=0.5,
                    help="share of documents STS is fitted on (the rest is reported)")  # fmt: skip
@@ -474,7 +438,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.temperatures and has_conf:
         given = {
             r: calibration.load_temperatures(args.temperatures, r)
-            for r in eval_report.CALIBRATION_RULES
+            for r in report.CALIBRATION_RULES
         }
     info = {
         "checkpoint": drafter.source,
@@ -489,7 +453,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "draft_vocab_size": cfg.draft_vocab_size,
         "settings": dataclasses.asdict(settings),
     }
-    report = eval_report.build_report(
+    result = report.build_report(
         blocks,
         start=0 if cfg.sample_from_anchor else 1,
         num_draft=n_draft,
@@ -503,7 +467,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         given_temperatures=given,
         info=info,
     )
-    cal = report.get("calibration")
+    cal = result.get("calibration")
     if cal and given is None and not args.no_save_temperatures:
         by_rule = {r: np.asarray(t) for r, t in cal["temperatures"].items()}
         record = calibration.temperatures_record(
@@ -524,13 +488,13 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
         out = Path(args.temperatures_out) if args.temperatures_out else drafter.temperatures_path
         cal["file"] = str(calibration.save_temperatures(out, record))
-    files = eval_report.write_outputs(report, Path(args.output_dir), plots=not args.no_plots)
-    print(eval_report.markdown(report), end="")
+    files = report.write_outputs(result, Path(args.output_dir), plots=not args.no_plots)
+    print(report.markdown(result), end="")
     for what, path in files.items():
         log.info("wrote %s: %s", what, path)
     if cal and cal.get("file"):
         log.info("wrote temperatures: %s", cal["file"])
-    return report
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -543,6 +507,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dspark_jax.data.http import InvalidResponseError, get_json, post_json, retry
+from dspark_jax.data.online.http import InvalidResponseError, get_json, post_json, retry
 
 
 def describe_prompt(ids: Sequence[int]) -> str:

@@ -2,8 +2,8 @@
 
 The evaluation counterpart of :func:`dspark_jax.model.draft.row_loss`: the same
 forward pass, targets and slot mask, reduced not to a loss but to per-slot values
-for the acceptance tables (:mod:`dspark_jax.acceptance`) and the confidence
-calibration (:mod:`dspark_jax.calibration`).
+for the acceptance tables (:mod:`dspark_jax.eval.acceptance`) and the confidence
+calibration (:mod:`dspark_jax.eval.calibration`).
 
 Notation (anchor p, slot k of its block; ``start`` = 0 with sample_from_anchor, else 1):
 

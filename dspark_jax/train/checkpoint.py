@@ -1,26 +1,33 @@
-"""The params-only Orbax checkpoint: what ``import`` writes and ``export`` reads.
+"""The Orbax checkpoint format of dspark-jax, written by the trainer and the importer,
+read by the trainer (resume), the evaluator and the exporter. One owner for one format.
 
-Contract (the trainer's ``dspark_jax/checkpoint.py`` may adopt or extend it):
+A checkpoint directory is an ``ocp.CheckpointManager`` root; step ``N`` lives in
+``directory/N/`` with these items:
 
-* ``directory`` is an ``ocp.CheckpointManager`` root; step ``N`` lives in
-  ``directory/N/`` with (at least) two items:
+* ``state`` (``ocp.args.StandardSave``): a **pure nested dict**
+  ``{"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}`` (fp32 leaves, integer
+  keys for ``layers``). A training checkpoint stores the optax state beside it
+  (``"opt"``), sharded arrays written by every process (OCDBT); :func:`load_params`
+  restores ``state["params"]`` only (a partial restore), so a training checkpoint and
+  a params-only one (``python -m converters import``) read the same way.
+* ``meta`` (``ocp.args.JsonSave``): ``{"format": FORMAT, "step": N, "config":
+  DSparkConfig.to_speculators_dict(), ...}``; optional ``"metrics": {name: float}``
+  (used by ``step="best"``), ``"source"``, ``"vocab_maps"``; a training checkpoint adds
+  the epoch, step within the epoch, best validation loss and seed.
+* ``data`` (training checkpoints only): the Grain iterator state of each process
+  (``process_{i}-of-{n}.json``).
 
-  - ``state`` (``ocp.args.StandardSave``): a **pure nested dict**
-    ``{"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}`` (fp32 leaves;
-    integer keys for ``layers``). A trainer checkpoint may store more beside
-    ``"params"`` in the same item (``"opt"``, ``"rng"``, ...): :func:`load_params`
-    restores ``state["params"]`` only (a partial restore).
-  - ``meta`` (``ocp.args.JsonSave``): ``{"format": FORMAT, "step": N,
-    "config": DSparkConfig.to_speculators_dict(), ...}``; optional
-    ``"metrics": {name: float}`` (used by ``step="best"``), ``"source"``,
-    ``"vocab_maps"``.
-
-* When the draft vocabulary is reduced, the maps sit in the root beside the step
-  folders as ``d2t-<Vd>.npy`` / ``t2d-<Vd>.npy`` (``dspark_jax.vocab`` format).
+When the draft vocabulary is reduced, the maps sit in the root beside the step
+folders as ``d2t-<Vd>.npy`` / ``t2d-<Vd>.npy`` (:mod:`dspark_jax.data.vocab` format).
 
 Pure dicts, not ``nnx.State``: the restored tree then needs no Variable wrappers
-(JAX_PRACTICES.md §5.2 pitfall 2) and ``nnx.replace_by_pure_dict`` turns it back
-into a state. numpy or jax arrays both save; restores here are host numpy arrays.
+(docs/design.md, "Pinned-library pitfalls") and ``nnx.replace_by_pure_dict`` turns it
+back into a state. Restores of params are host numpy arrays.
+
+Retention (:class:`Checkpointer`): the newest ``max_to_keep`` steps, plus
+``best_step`` (the step with the best validation loss) whatever its age. The PRNG
+stream needs no state of its own: the anchors of global step s are drawn from
+``fold_in(key(seed), s)``, so restoring the step restores the randomness.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from dspark_jax.config import DSparkConfig
-from dspark_jax.vocab import check_vocab_maps, save_vocab_maps
+from dspark_jax.data.vocab import check_vocab_maps, save_vocab_maps
 
 logger = logging.getLogger(__name__)
 
@@ -290,3 +298,130 @@ def load_checkpoint_vocab_maps(
         source=f"{d2t_path}, {t2d_path}",
     )
     return d2t.astype(np.int64), t2d.astype(np.bool_)
+
+
+# ------------------------------------------------------------------ training state
+@dataclasses.dataclass
+class KeepLatestAndBest:
+    """Orbax preservation policy: the newest ``n`` checkpoints and ``best_step``."""
+
+    n: int | None
+    best_step: int | None = None
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        del context
+        steps = [c.step for c in checkpoints]
+        if self.n is None:
+            newest = set(steps)
+        else:
+            newest = set(sorted(steps)[-self.n :]) if self.n > 0 else set()
+        return [s in newest or s == self.best_step for s in steps]
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        with_data: bool = True,
+    ):
+        self.directory = Path(directory).absolute()
+        self.with_data = with_data
+        self.policy = KeepLatestAndBest(max_to_keep)
+        items = ("state", "data", "meta") if with_data else ("state", "meta")
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            item_names=items,
+            options=ocp.CheckpointManagerOptions(
+                preservation_policy=self.policy,
+                enable_async_checkpointing=async_save,
+                create=True,
+            ),
+        )
+
+    @property
+    def best_step(self) -> int | None:
+        return self.policy.best_step
+
+    @best_step.setter
+    def best_step(self, step: int | None) -> None:
+        self.policy.best_step = step
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        meta: dict[str, Any],
+        data_iterator: grain.DatasetIterator | None = None,
+        *,
+        force: bool = False,
+    ) -> bool:
+        """Start an (async) save of step ``step``; returns whether one was started."""
+        items: dict[str, Any] = {
+            "state": ocp.args.StandardSave(state),
+            "meta": ocp.args.JsonSave(meta),
+        }
+        if self.with_data:
+            if data_iterator is None:
+                raise ValueError("this checkpointer saves the data iterator: pass data_iterator")
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def restore(
+        self,
+        step: int | None,
+        abstract_state: Any,
+        data_iterator: grain.DatasetIterator | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Restore ``step`` (latest when None) onto ``abstract_state``'s shapes and
+        shardings (jax.ShapeDtypeStruct leaves); the data iterator is restored in place."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
+        items: dict[str, Any] = {
+            "state": ocp.args.StandardRestore(abstract_state),
+            "meta": ocp.args.JsonRestore(),
+        }
+        if self.with_data and data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        return restored["state"], restored["meta"]
+
+    def meta(self, step: int) -> dict[str, Any]:
+        """The ``meta`` item of ``step`` alone (check it before restoring the arrays)."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
+
+    def delete_all(self) -> None:
+        """Remove every step (a run that starts over in the same directory)."""
+        self.manager.wait_until_finished()
+        for step in self.all_steps():
+            self.manager.delete(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every process once any was told to stop (SIGTERM on TPU/Slurm)."""
+        return self.manager.reached_preemption(step)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract_like(state: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a concrete state, the restore target."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        state,
+    )

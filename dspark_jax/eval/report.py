@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_jax import acceptance, calibration
+from dspark_jax.eval import acceptance, calibration
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def method_key(rule: str, conditioning: str) -> str:
 class DatasetBlocks:
     """Every evaluated (valid) block of one dataset, host arrays.
 
-    ``arrays``: the :mod:`dspark_jax.drafting` statistics ([n, B]) plus ``mask``
+    ``arrays``: the :mod:`dspark_jax.eval.slot_statistics` statistics ([n, B]) plus ``mask``
     [n, B], ``context_pos`` [n], ``row`` [n], ``document`` [n] and, with a confidence
     head, ``y_sampled`` [n, B] (realised accept/reject draws of the analytic rule).
     """

@@ -28,9 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from dspark_jax.data.extractor_client import transfer_handle
-from dspark_jax.data.files import FP8_DTYPES, SCALES_KEY, DataError, SafetensorsFile, dequantize_fp8
-from dspark_jax.data.mooncake import MooncakeConfig, MooncakeError, MooncakeHiddenStates, open_store
+from dspark_jax.data.files import FP8_DTYPES, DataError, SafetensorsFile, dequantize_fp8
+from dspark_jax.data.hs_names import SCALES_KEY
+from dspark_jax.data.online.client import transfer_handle
+from dspark_jax.data.online.mooncake import (
+    MooncakeConfig,
+    MooncakeError,
+    MooncakeHiddenStates,
+    open_store,
+)
 
 
 class TransportError(RuntimeError):

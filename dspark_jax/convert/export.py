@@ -7,7 +7,7 @@ reduced draft vocabulary it also holds ``lm_head.weight`` (the verifier head's r
 ``t2d``, read from the verifier folder), ``d2t`` (int64) and ``t2d`` (bool), as
 speculators' ``save_pretrained`` writes them.
 
-The folder is written under a temporary name, checked (:mod:`converters.check`)
+The folder is written under a temporary name, checked (:mod:`dspark_jax.convert.check`)
 and only then renamed into place: a failed check leaves nothing at ``out_dir``.
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from converters import orbax_io
-from converters.check import (
+from dspark_jax.config import DSparkConfig
+from dspark_jax.convert.check import (
     CONFIG_FILE,
     SINGLE_FILE,
     TARGETS,
@@ -34,9 +34,9 @@ from converters.check import (
     CheckReport,
     check_folder,
 )
-from converters.keys import to_speculators
-from dspark_jax.config import DSparkConfig
-from dspark_jax.vocab import check_vocab_maps
+from dspark_jax.data.vocab import check_vocab_maps
+from dspark_jax.model.params import to_speculators
+from dspark_jax.train import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ExportError(ValueError):
 def _verifier_lm_head(
     cfg: DSparkConfig, verifier_path: str | os.PathLike | None, t2d
 ) -> np.ndarray:
-    from dspark_jax.verifier import load_verifier_tensors
+    from dspark_jax.data.verifier import load_verifier_tensors
 
     path = verifier_path or cfg.verifier_name_or_path
     if path is None or not Path(path).is_dir():
@@ -187,7 +187,7 @@ def export_checkpoint(
     (``d2t-<Vd>.npy``/``t2d-<Vd>.npy``). Other keyword arguments: :func:`export_params`.
     Returns the check report and the step exported.
     """
-    loaded = orbax_io.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
-    maps = orbax_io.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
+    loaded = checkpoint.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
+    maps = checkpoint.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
     report = export_params(loaded.cfg, loaded.params, out_dir, vocab_maps=maps, **kwargs)
     return report, loaded.step

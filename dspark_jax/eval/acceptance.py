@@ -1,7 +1,7 @@
 """Acceptance curves from per-slot values (numpy; the pure math of ``dspark_jax.eval``).
 
 Input: for n blocks of B slots, a per-slot value ``x[i, k]`` and the training slot
-mask ``m[i, k]`` (:mod:`dspark_jax.drafting`). ``x`` is either an acceptance
+mask ``m[i, k]`` (:mod:`dspark_jax.eval.slot_statistics`). ``x`` is either an acceptance
 probability given the block's earlier slots were accepted (the analytic rule,
 ``sum_v min(q, p)``) or a 0/1 greedy match. Draft position j = 0..N-1 is slot
 ``start + j`` (start = 0 with sample_from_anchor, else 1: slot 0 is the anchor).

@@ -8,13 +8,14 @@ Paths mirror the keys, so the mapping is three rules on the last path element:
 | ``.../embedding`` (nnx.Embed)        | ``.../weight``                  | none             |
 | ``.../weight``, ``.../bias``         | same                           | none             |
 
-numpy only (no torch, no JAX transforms): used by the converters and the tests.
+No torch: used by the optimiser partition, the checkpoint and converters, and the tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -30,6 +31,30 @@ def speculators_key(path: Iterable) -> tuple[str, bool]:
     if leaf in ("weight", "bias"):
         return ".".join(parts), False
     raise KeyError(f"no speculators key for parameter path {'/'.join(parts)!r}")
+
+
+def path_parts(path: Iterable) -> list[str]:
+    """A JAX key path of a parameter leaf -> its name parts (drops nnx.Variable's ``value``)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    if len(parts) > 1 and parts[-1] in ("value", "raw_value"):
+        parts = parts[:-1]
+    return parts
+
+
+def leaf_key(path: Iterable) -> tuple[str, bool]:
+    """(speculators key, stored transposed w.r.t. torch) of a parameter leaf's JAX key path."""
+    return speculators_key(path_parts(path))
 
 
 def to_speculators(params: nnx.State) -> dict[str, np.ndarray]:
@@ -73,3 +98,10 @@ def from_speculators(
             )
         updates.append((path, var.replace(value.astype(var.dtype))))
     return nnx.from_flat_state(updates)
+
+
+def to_host(params: nnx.State) -> nnx.State:
+    """The same state with every leaf copied to a host numpy array."""
+    return nnx.from_flat_state(
+        [(p, v.replace(np.asarray(v[...]))) for p, v in nnx.to_flat_state(params)]
+    )

@@ -19,17 +19,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
-from dspark_jax.cli import ConfigError, TrainArgs
 from dspark_jax.config import DSparkConfig, decoder_fields_from_qwen3
-from dspark_jax.data.files import EXTRACTION_CONFIG
-from dspark_jax.vocab import resolve_vocab_maps
+from dspark_jax.convert import load
+from dspark_jax.data.hs_names import EXTRACTION_CONFIG
+from dspark_jax.data.vocab import resolve_vocab_maps
+from dspark_jax.train.flags import ConfigError, TrainArgs
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ def _fresh_config(args: TrainArgs, verifier: dict[str, Any], vocab_maps) -> DSpa
 
 
 def _vocab_maps(args: TrainArgs, vocab_size: int):
-    from dspark_jax.vocab import VocabError
+    from dspark_jax.data.vocab import VocabError
 
     try:
         return resolve_vocab_maps(
@@ -322,38 +322,21 @@ def _vocab_maps(args: TrainArgs, vocab_size: int):
 
 
 def _pretrained(args: TrainArgs) -> DraftSetup:
-    from converters import orbax_io
-
     path = Path(args.from_pretrained)
     if not path.is_dir():
         raise ConfigError(f"--from-pretrained {path}: not a local folder")
-    steps = []
-    try:
-        steps = orbax_io.list_steps(path)
-    except orbax_io.CheckpointError:
-        pass
-    has_weights = any(
-        (path / n).exists() for n in ("model.safetensors", "model.safetensors.index.json")
-    )
-    if steps:
-        loaded = orbax_io.load_params(path, "latest")
-        maps = orbax_io.load_checkpoint_vocab_maps(path, loaded.cfg, args.d2t_path, args.t2d_path)
-        return DraftSetup(
-            loaded.cfg, maps, loaded.params, f"Orbax checkpoint {path} step {loaded.step}"
-        )
-    if has_weights:
-        from converters.importer import ImportFolderError, import_folder
-
-        with tempfile.TemporaryDirectory(prefix="dspark_import_") as tmp:
-            try:
-                result = import_folder(
-                    path, Path(tmp) / "ckpt", verifier_path=args.verifier_name_or_path
-                )
-            except ImportFolderError as e:
-                raise ConfigError(f"--from-pretrained: {e}") from None
-            maps = orbax_io.load_checkpoint_vocab_maps(Path(tmp) / "ckpt", result.cfg)
-            params = jax_host_copy(result.params)
-        return DraftSetup(result.cfg, maps, params, f"speculators folder {path}")
+    if load.has_checkpoint_steps(path) or load.has_weights(path):
+        try:
+            loaded = load.load_drafter(
+                path,
+                "latest",
+                verifier_path=args.verifier_name_or_path,
+                d2t_path=args.d2t_path,
+                t2d_path=args.t2d_path,
+            )
+        except load.DrafterLoadError as e:
+            raise ConfigError(f"--from-pretrained {e}") from None
+        return DraftSetup(loaded.cfg, loaded.vocab_maps, loaded.params, loaded.source)
     if (path / "config.json").exists():
         try:
             cfg = DSparkConfig.load_json(path)
@@ -366,12 +349,6 @@ def _pretrained(args: TrainArgs) -> DraftSetup:
     raise ConfigError(
         f"--from-pretrained {path}: neither an Orbax checkpoint, a speculators folder "
         "(config.json + model.safetensors) nor a config.json folder"
-    )
-
-
-def jax_host_copy(params: nnx.State) -> nnx.State:
-    return nnx.from_flat_state(
-        [(p, v.replace(np.asarray(v[...]))) for p, v in nnx.to_flat_state(params)]
     )
 
 

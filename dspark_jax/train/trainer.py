@@ -1,12 +1,12 @@
 """``python -m dspark_jax.train``: train a DSpark drafter like ``speculators train`` 0.9.0.
 
-Flags: :mod:`dspark_jax.cli` (the reference's, plus ``--mesh``, ``--rows-per-step``,
+Flags: :mod:`dspark_jax.train.flags` (the reference's, plus ``--mesh``, ``--rows-per-step``,
 ``jax.distributed`` and checkpoint retention). Without arguments it trains the demo
 (``configs/demo/train.yaml``).
 
 The loop, top to bottom (reference: ``speculators/train/trainer.py``):
 
-* the drafter's config and starting weights (:mod:`dspark_jax.draft_init`), the
+* the drafter's config and starting weights (:mod:`dspark_jax.train.drafter_setup`), the
   frozen verifier tensors, the packed data (:mod:`dspark_jax.data.pipeline`);
 * trainable params (fp32) and optimiser state (:mod:`dspark_jax.optim`) live as
   sharded arrays on the mesh (:mod:`dspark_jax.parallel`); one ``jax.jit`` step with
@@ -44,16 +44,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from converters.orbax_io import FORMAT as CHECKPOINT_FORMAT  # what the converters read
-from dspark_jax import cli, draft_init, optim, parallel
-from dspark_jax.checkpoint import Checkpointer
-from dspark_jax.cli import ConfigError, TrainArgs
+from dspark_jax import optim, parallel
 from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData
-from dspark_jax.dry_run import dry_run
-from dspark_jax.metrics_log import MetricsLog, Progress, normalize_counted_metrics
+from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
-from dspark_jax.verifier import load_verifier_tensors
+from dspark_jax.train import drafter_setup, flags, online_setup
+from dspark_jax.train.checkpoint import FORMAT as CHECKPOINT_FORMAT  # what the converters read
+from dspark_jax.train.checkpoint import Checkpointer
+from dspark_jax.train.dry_run import dry_run
+from dspark_jax.train.flags import ConfigError, TrainArgs
+from dspark_jax.train.metrics_log import MetricsLog, Progress, normalize_counted_metrics
 
 log = logging.getLogger("dspark_jax.train")
 
@@ -129,7 +130,7 @@ class Trainer:
         self.step_callback = step_callback
         self.store_factory = store_factory  # tests: a Mooncake store fake
         self.is_main = jax.process_index() == 0
-        self.setup = draft_init.build_draft(args)
+        self.setup = drafter_setup.build_draft(args)
         self.cfg = self.setup.cfg
         self.dtype = jnp.bfloat16 if args.hidden_states_dtype == "bfloat16" else jnp.float32
         self.mesh = parallel.make_mesh(args.mesh, devices)
@@ -154,7 +155,8 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ model
-    def _abstract(self):
+    def abstract_state(self):
+        """(graphdef, abstract params) of the drafter, without computing anything."""
         model = nnx.eval_shape(
             lambda: DSparkDraftModel(
                 self.cfg, rngs=nnx.Rngs(0), dtype=self.dtype, remat=self.args.gradient_checkpointing
@@ -187,33 +189,28 @@ class Trainer:
         vt = load_verifier_tensors(
             self.args.verifier_name_or_path, None if maps is None else maps[1]
         )
-        head = vt.lm_head.T  # [H, Vd] kernel layout
-        frozen = FrozenWeights(vt.embed_tokens, head, head, vt.norm)
         try:
-            frozen.check(self.cfg)
+            host = FrozenWeights.from_verifier(vt.embed_tokens, vt.lm_head, vt.norm, self.cfg)
         except ValueError as e:
             raise ConfigError(
                 f"verifier {self.args.verifier_name_or_path} does not fit the drafter: {e}"
             ) from None
-        sh = parallel.frozen_shardings(frozen, self.mesh)
-        head_dev = _put(head, sh.lm_head)
+        sh = parallel.frozen_shardings(host, self.mesh)
+        head = _put(host.lm_head, sh.lm_head)  # one device copy serves both heads
         return FrozenWeights(
-            _put(vt.embed_tokens, sh.embed_tokens),
-            head_dev,
-            head_dev,
-            _put(vt.norm, sh.verifier_norm),
+            _put(host.embed_tokens, sh.embed_tokens), head, head, _put(host.verifier_norm, sh.verifier_norm)
         )
 
     # ------------------------------------------------------------------ data
     def open_data(self) -> PackedData:
         args, cfg = self.args, self.cfg
-        online = cli.online_source(args, self.store_factory)
-        summary = cli.online_summary(args)
+        online = online_setup.online_source(args, self.store_factory)
+        summary = online_setup.online_summary(args)
         if summary and self.is_main:
             log.info("%s", summary)
         data = PackedData(
             args.data_path,
-            draft_init.hidden_states_dir(args),
+            drafter_setup.hidden_states_dir(args),
             total_seq_len=args.total_seq_len,
             n_aux=cfg.num_aux_layers,
             hidden_size=cfg.verifier_hidden_size,
@@ -400,7 +397,7 @@ class Trainer:
         if args.dry_run:
             return dry_run(self)
         self.data = self.open_data()
-        graphdef, abstract = self._abstract()
+        graphdef, abstract = self.abstract_state()
         self._abstract_params = abstract
         param_sh = parallel.state_shardings(abstract, self.mesh)
         steps0 = self.data.steps_per_epoch("train", 0)
@@ -442,7 +439,7 @@ class Trainer:
                 args.save(args.save_path)
                 self.cfg.save_json(Path(args.save_path) / "config.json")
                 if self.setup.vocab_maps is not None:
-                    from converters.orbax_io import save_checkpoint_vocab_maps
+                    from dspark_jax.train.checkpoint import save_checkpoint_vocab_maps
 
                     save_checkpoint_vocab_maps(args.save_path, self.cfg, *self.setup.vocab_maps)
             self.metrics.hparams(args.as_dict(), self.global_step)
@@ -582,7 +579,7 @@ def demo_data_missing(args: TrainArgs) -> str | None:
         return None
     return (
         f"the demo needs {', '.join(missing)}, which do not exist yet; create them with:\n"
-        f"    {cli.DEMO_PREPARE_COMMAND}\n"
+        f"    {flags.DEMO_PREPARE_COMMAND}\n"
         "then run `python -m dspark_jax.train` again (or pass your own --verifier-name-or-path "
         "and --data-path; see --help)"
     )
@@ -604,10 +601,10 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    from dspark_jax.vocab import VocabError
+    from dspark_jax.data.vocab import VocabError
 
     try:
-        args = cli.resolve(argv)
+        args = flags.resolve(argv)
         if args.demo:
             why = demo_data_missing(args)
             if why:
@@ -628,6 +625,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

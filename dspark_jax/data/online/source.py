@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from dspark_jax.data.extractor_client import ExtractorClient
 from dspark_jax.data.files import DataError, first_non_finite, sample_problem
-from dspark_jax.data.http import HTTPStatusError, InvalidResponseError
-from dspark_jax.data.transport import Transport, TransportError
+from dspark_jax.data.online.client import ExtractorClient
+from dspark_jax.data.online.http import HTTPStatusError, InvalidResponseError
+from dspark_jax.data.online.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
 

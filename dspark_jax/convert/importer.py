@@ -8,7 +8,7 @@
   (seeded) with the requested Markov rank/type and confidence-head options.
 
 The result is what ``dspark_jax.train --from-pretrained`` starts from: step
-``step`` of a params-only checkpoint (:mod:`converters.orbax_io`), plus
+``step`` of a params-only checkpoint (:mod:`dspark_jax.train.checkpoint`), plus
 ``d2t-<Vd>.npy``/``t2d-<Vd>.npy`` in the checkpoint root for a reduced vocabulary.
 The draft ``lm_head`` is not stored (training re-reads the verifier head); when
 ``verifier_path`` is a local folder it is compared with the verifier's rows and a
@@ -29,11 +29,11 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from converters import orbax_io
-from converters.check import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
-from converters.keys import from_speculators, speculators_key
 from dspark_jax.config import DSparkConfig
-from dspark_jax.vocab import VocabError, check_vocab_maps
+from dspark_jax.convert.check import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
+from dspark_jax.data.vocab import VocabError, check_vocab_maps
+from dspark_jax.model.params import from_speculators, speculators_key
+from dspark_jax.train import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _check_lm_head(cfg, tensors, maps, folder: Path, verifier_path) -> None:
             verifier_path,
         )
     elif verifier_path is not None:
-        from dspark_jax.verifier import VerifierWeightsError, load_verifier_tensors
+        from dspark_jax.data.verifier import VerifierWeightsError, load_verifier_tensors
 
         try:
             rows = load_verifier_tensors(verifier_path, maps[1]).lm_head
@@ -201,7 +201,7 @@ def import_folder(
                 "to DFlash folders only"
             )
         cfg = src_cfg
-        params = orbax_io.abstract_params(cfg)
+        params = checkpoint.abstract_params(cfg)
         keep_missing: tuple[str, ...] = ()
     else:
         ws = warm_start or WarmStart()
@@ -254,13 +254,13 @@ def import_folder(
         meta["warm_start"] = dataclasses.asdict(warm_start or WarmStart())
     vocab_paths = None
     if maps is not None:
-        vocab_paths = orbax_io.vocab_map_paths(ckpt_dir, cfg)
+        vocab_paths = checkpoint.vocab_map_paths(ckpt_dir, cfg)
         meta["vocab_maps"] = {"d2t": vocab_paths[0].name, "t2d": vocab_paths[1].name}
-    step_dir = orbax_io.save_params_checkpoint(
+    step_dir = checkpoint.save_params_checkpoint(
         ckpt_dir, step, cfg, params, meta=meta, overwrite=overwrite
     )
     if maps is not None:
-        vocab_paths = orbax_io.save_checkpoint_vocab_maps(ckpt_dir, cfg, *maps)
+        vocab_paths = checkpoint.save_checkpoint_vocab_maps(ckpt_dir, cfg, *maps)
     return ImportResult(
         cfg=cfg, params=params, kind=kind, step_dir=step_dir, vocab_maps=vocab_paths
     )

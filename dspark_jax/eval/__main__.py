@@ -1,0 +1,7 @@
+"""``python -m dspark_jax.eval``."""
+
+import sys
+
+from dspark_jax.eval.runner import main
+
+sys.exit(main())
