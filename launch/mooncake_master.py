@@ -1,4 +1,5 @@
-"""Start a real ``mooncake_master`` on free local ports (tests and bench/)."""
+"""Start a local ``mooncake_master`` on free ports: a one-node online run, the tests and
+bench/ (the cluster recipes start theirs in launch/recipes/common.sh)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""speculators' config for a DSparkConfig (eager attention). Imports neither JAX nor
-Flax, so bench/train_step.py's reference process can use it with its own peak RSS."""
+"""speculators 0.9.0's Python config object for a DSparkConfig (eager attention): how the
+reference sees our drafter, for the parity tests and the benchmarks' reference runs.
+Imports neither JAX nor Flax (bench/train_step.py's reference process measures its own
+peak RSS); speculators is imported only when called."""
 
 from __future__ import annotations
 
