@@ -8,7 +8,7 @@
 # backward 2x forward on trainable paths) / step time / the GPU's dense bf16 peak
 # (from nvidia-smi's name: H100/H200 989.4 TFLOP/s, B200 2250, A100 312; override
 # with PEAK_TFLOPS). One packed row per step, as one data-parallel rank of the seed
-# run (SEED_COMMAND.md: S 8192, A 1024, block 8 on 4 GPUs).
+# run (docs/seed_run.md: S 8192, A 1024, block 8 on 4 GPUs).
 #
 # Environment (all optional):
 #   PYTHON        interpreter with jax[cuda] + flax + optax (default: python3)

@@ -7,8 +7,8 @@ compiled for the default backend and ``memory_analysis()`` is read. One fp32 [Q,
 array is 5.4 GB; the naive version (full logits) holds several.
 
 Gradients are taken w.r.t. draft hidden, Markov feature, Markov W2 and confidence
-logits; the draft lm_head is frozen (SPEC.md §4) and passed through stop_gradient,
-except in the ``chunked+lm_head_grad`` row, which shows the cost of training it.
+logits; the draft lm_head is frozen (docs/math.md, "The draft forward") and passed through
+stop_gradient, except in the ``chunked+lm_head_grad`` row, which shows the cost of training it.
 
 On the CPU backend XLA upcasts the bf16 operands of the backward matmul to fp32, so
 every row there includes an fp32 copy of one [H, Vd] head (4.38 GiB) that the program

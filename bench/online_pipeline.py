@@ -20,9 +20,8 @@ Setup (nothing of it is timed):
   vLLM's ``ExampleHiddenStatesConnector``) and ``mooncake`` (``MooncakePublisher``,
   packed format = hs_connectors 0.9.0's, into a real ``mooncake_master`` started
   here on free ports; producer and consumers are separate store clients, TCP over
-  loopback). If ``mooncake.store`` does not import, an in-process fake store
-  (tests/online/store_fake.py) stands in, the server then runs in this process, and
-  the lines say ``"store": "fake"``.
+  loopback). If ``mooncake.store`` does not import (no libibverbs1), the Mooncake
+  lines are skipped with a message: a fake store would not measure Mooncake.
 
 Measured, per transport:
 
@@ -68,7 +67,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: launch/, tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: launch/
+from launch.mooncake_master import start_master  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SERVED = "bench-verifier"
@@ -224,18 +224,6 @@ class ServerProcess:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
-
-
-class InProcessServer:
-    def __init__(self, cfg: dict, store):
-        self.server = build_server(cfg, store).start()
-        self.base_url = self.server.base_url
-
-    def stats(self) -> dict:
-        return self.server.take_stats()
-
-    def close(self) -> None:
-        self.server.stop()
 
 
 # ------------------------------------------------------------------------ mooncake
@@ -528,30 +516,24 @@ def main() -> None:
                 "staging": str(root / f"staging_{kind}"),
                 "segment_bytes": max(1 << 30, 4 * max(args.in_flight) * sample_bytes),
             }
-            store_kind, fake = None, None
+            store_kind = None
             if kind == "mooncake":
                 try:
                     import mooncake.store  # noqa: F401
 
-                    from tests.online.local_master import start_master
-
                     proc, cfg["master"] = start_master(root / "mooncake_master.log")
-                    masters.append(proc)
-                    store_kind = "real"
                 except (ImportError, OSError) as e:
-                    from tests.online.store_fake import FakeMooncakeStore
-
-                    print(
-                        f"mooncake.store unavailable ({e}): using the fake store", file=sys.stderr
-                    )
-                    fake, store_kind = FakeMooncakeStore(), "fake"
-            server = ServerProcess(cfg) if fake is None else InProcessServer(cfg, fake)
+                    print(f"mooncake.store unavailable ({e}): no Mooncake lines", file=sys.stderr)
+                    continue
+                masters.append(proc)
+                store_kind = "real"
+            server = ServerProcess(cfg)
             servers.append(server)
 
-            def new_store(fake=fake, cfg=cfg, kind=kind):
+            def new_store(cfg=cfg, kind=kind):
                 if kind != "mooncake":
                     return None
-                s = fake if fake is not None else consumer_store(cfg["master"])
+                s = consumer_store(cfg["master"])
                 stores.append(s)
                 return s
 

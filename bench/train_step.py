@@ -55,8 +55,8 @@ import numpy as np
 
 from dspark_jax.config import DSparkConfig  # plain Python: no JAX import here
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests/
-from tests.reference.ref_config import reference_config  # noqa: E402  (no JAX import either)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for launch/
+from launch.speculators_config import reference_config  # noqa: E402  (no JAX import either)
 
 LOSS_FN = '{"ce":0.1,"tv":0.9}'
 GAMMA, CONF_ALPHA = 4.0, 1.0
@@ -88,7 +88,7 @@ PRESETS = {
              markov_rank=64),
         2048, 128,
     ),
-    "k3-shape": (  # ../shared/SEED_COMMAND.md
+    "k3-shape": (  # docs/seed_run.md
         dict(hidden_size=7168, intermediate_size=14336, num_attention_heads=96,
              num_key_value_heads=16, head_dim=64, num_hidden_layers=5, vocab_size=163840,
              sliding_window=2048, markov_rank=256),
@@ -533,34 +533,20 @@ def jax_profile(compiled, state, frozen, batch, anchors, valid, args, steps: int
 
 
 def _pb_fields(buf: bytes) -> list[tuple[int, int | bytes]]:
-    """(field number, value) of one protobuf message (wire format; no schema needed)."""
+    """(field number, value) of one protobuf message, decoded by protobuf without its
+    schema (jaxlib ships no HLO ``_pb2``): every field is an unknown field of ``Empty``."""
+    from google.protobuf import empty_pb2
+    from google.protobuf.unknown_fields import UnknownFieldSet
 
-    def varint(i):
-        x = shift = 0
-        while True:
-            c = buf[i]
-            i += 1
-            x |= (c & 0x7F) << shift
-            shift += 7
-            if c < 0x80:
-                return x, i
+    msg = empty_pb2.Empty()
+    msg.ParseFromString(buf)
+    return [(f.field_number, f.data) for f in UnknownFieldSet(msg)]
 
-    i, out = 0, []
-    while i < len(buf):
-        key, i = varint(i)
-        wire = key & 7
-        if wire == 0:
-            v, i = varint(i)
-        elif wire == 2:
-            n, i = varint(i)
-            v, i = buf[i:i + n], i + n
-        elif wire in (1, 5):
-            n = 8 if wire == 1 else 4
-            v, i = buf[i:i + n], i + n
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        out.append((key >> 3, v))
-    return out
+
+def _short_path(file: str) -> str:
+    """A source path relative to site-packages or to this repository."""
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    return file.split("site-packages/")[-1].removeprefix(root)
 
 
 def hlo_op_sources(compiled) -> dict[str, str]:
@@ -596,7 +582,7 @@ def hlo_op_sources(compiled) -> dict[str, str]:
             chain.append((files[fi - 1], funcs[fn - 1] if fn else "?", line))
         for file, fn, line in chain:  # innermost frame from our package or optax
             if "dspark_jax" in file or "optax" in file:
-                return f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line} {fn}"
+                return f"{_short_path(file)}:{line} {fn}"
         return f"{Path(chain[0][0]).name}:{chain[0][2]} {chain[0][1]}" if chain else "?"
 
     out = {}
@@ -637,7 +623,7 @@ def self_times(events: list[dict]) -> dict[str, float]:
 
 def categorize(src: str) -> str:
     for key, cat in (("attention.py", "attention"), ("losses.py", "loss (vocab chunks)"),
-                     ("optim.py", "optimizer"), ("_muon", "optimizer"), ("optax", "optimizer"),
+                     ("optim/", "optimizer"), ("_muon", "optimizer"), ("optax", "optimizer"),
                      ("layers.py", "decoder (proj/mlp/norm/rope)"), ("heads.py", "markov/conf heads"),
                      ("draft.py", "drafter glue"), ("anchors.py", "drafter glue")):
         if key in src:

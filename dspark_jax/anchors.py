@@ -1,4 +1,4 @@
-"""Anchor sampling and block index math (../shared/SPEC.md §3), pure functions of arrays.
+"""Anchor sampling and block index math (docs/math.md, "Anchors and blocks"), pure functions.
 
 Per packed row of S tokens, exactly A anchors are drawn so shapes stay static: the
 valid ones first, sorted ascending, then padding anchors at position 0 marked

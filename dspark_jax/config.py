@@ -1,8 +1,8 @@
 """DSparkConfig: the drafter's decoder geometry and DSpark fields in one frozen dataclass.
 
-It reads and writes the speculators 0.9.0 ``config.json`` (../shared/SPEC.md §5): a
-top-level DSpark section plus ``transformer_layer_config`` (the Qwen3 decoder) and
-``speculators_config`` (proposal method, verifier). Validation happens once, at
+It reads and writes the speculators 0.9.0 ``config.json`` (docs/formats.md, "Exported
+drafter folder"): a top-level DSpark section plus ``transformer_layer_config`` (the Qwen3
+decoder) and ``speculators_config`` (proposal method, verifier). Validation happens once, at
 construction, with messages that name the field.
 """
 
@@ -199,7 +199,7 @@ class DSparkConfig:
         }
 
     def to_speculators_dict(self) -> dict[str, Any]:
-        """config.json of SPEC.md §5 (no top-level model_type, on purpose)."""
+        """config.json of docs/formats.md, "config.json" (no top-level model_type, on purpose)."""
         return {
             "architectures": ["DSparkDraftModel"],
             "speculators_model_type": "dspark",

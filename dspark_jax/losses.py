@@ -1,4 +1,4 @@
-"""DSpark loss and metrics, numerically matching speculators 0.9.0 (../shared/SPEC.md §2).
+"""DSpark loss and metrics, numerically matching speculators 0.9.0 (docs/math.md §6-§10).
 
 Two stages, mirroring ``speculators.models.dspark.metrics.compute_metrics``:
 

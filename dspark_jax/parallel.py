@@ -76,7 +76,7 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> jax.sharding.Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh with Auto axis types (see JAX_PRACTICES §0)."""
+    """A ('data', 'fsdp', 'tensor') mesh, Auto axis types (docs/design.md, "Mesh axis types")."""
     devices = jax.devices() if devices is None else devices
     sizes = parse_mesh(spec, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)

@@ -1,6 +1,6 @@
 """Extract verifier hidden states for a prepared dataset: ``hs_{i}.safetensors`` files.
 
-Two backends write identical files (SPEC.md section 4): ``hidden_states``
+Two backends write identical files (docs/formats.md, "Hidden-state files"): ``hidden_states``
 ``[T, n_aux + 1, H]`` in the model dtype, slots in ``--target-layer-ids`` order
 followed by the last layer (pre-norm), and ``token_ids`` int64 ``[T]``.
 

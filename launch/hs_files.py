@@ -1,4 +1,4 @@
-"""Hidden-state files (``hs_{i}.safetensors``), as SPEC.md section 4 defines them.
+"""Hidden-state files (``hs_{i}.safetensors``), as docs/formats.md defines them.
 
 One file per prepared row ``i``:
 

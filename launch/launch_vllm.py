@@ -1,6 +1,6 @@
 """Launch ``vllm serve`` for hidden-state extraction (speculators' ``scripts/launch_vllm.py``).
 
-Same command line as the reference launcher (SEED_COMMAND.md section 3):
+Same command line as the reference launcher (docs/seed_run.md, "Extraction"):
 
     python -m launch.launch_vllm MODEL [--hidden-states-backend file|fp8|mooncake]
         [backend flags, e.g. --hidden-states-path DIR or --mooncake-master HOST:PORT ...]

@@ -5,7 +5,7 @@ Input: JSON/JSONL files (or folders of them) holding either conversations
 ShareGPT ``from``/``value``; roles system/user/assistant/tool; an optional
 per-row ``tools`` column) or pre-tokenised rows (``input_ids`` + ``loss_mask``).
 
-Output (SPEC.md section 4): a HuggingFace ``Dataset.save_to_disk`` folder with
+Output (docs/formats.md, "Prepared dataset"): a HuggingFace ``Dataset.save_to_disk`` folder with
 columns ``input_ids`` (int list: int32 on disk, exactly as speculators' prepare-data
 writes it through ``datasets``), ``loss_mask`` (int64 0/1 list, 1 = assistant
 token) and ``seq_len`` (int64), in torch format (both lists read back as int64

@@ -1,8 +1,8 @@
 """A hidden-states extractor server without vLLM, backed by HF transformers.
 
 Speaks the protocol of ``vllm serve`` with the ``extract_hidden_states``
-speculative method and a hidden-states KV connector (SPEC.md section 4; client
-side: dspark_jax/data/extractor_client.py), so that online training
+speculative method and a hidden-states KV connector (docs/formats.md, "Online extraction
+protocol"; client side: dspark_jax/data/online/client.py), so that online training
 (``--on-missing generate``) and ``launch.extract_hidden_states --backend vllm
 --endpoint ...`` work with small verifiers, on CPU, or in tests:
 

@@ -1,7 +1,7 @@
 """vLLM hidden-state extraction: server command, launcher, and the client.
 
 The server is ``vllm serve`` with the ``extract_hidden_states`` speculative method
-and a hidden-states KV connector (SPEC.md section 4):
+and a hidden-states KV connector (docs/formats.md, "Extractor server"):
 
     --speculative_config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [ids..., N]}}}'
@@ -193,7 +193,7 @@ def wait_for_server(base_url: str, timeout: float, poll: float = 2.0) -> None:
 
 class VllmClient(ExtractorClient):
     """The offline extraction client: one row -> ``hs_{i}.safetensors`` through the
-    file connector (protocol in dspark_jax/data/extractor_client.py)."""
+    file connector (protocol in dspark_jax/data/online/client.py)."""
 
     def __init__(
         self,

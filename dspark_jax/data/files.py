@@ -1,4 +1,4 @@
-"""Readers for what the PyTorch/vLLM side writes (../shared/SPEC.md §4).
+"""Readers for what the PyTorch/vLLM side writes (docs/formats.md, sections 2 and 4).
 
 * :class:`PreparedDataset`: the ``speculators prepare-data`` output, a HuggingFace
   ``Dataset.save_to_disk`` folder (``state.json`` + Arrow IPC stream shards) with

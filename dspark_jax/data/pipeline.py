@@ -36,7 +36,7 @@ into shared memory, so Grain hands them over without a copy.
 Every process plans all ranks itself (cheap, deterministic): at startup a multi-host
 trainer should check that ``plan("train", 0).digest()`` agrees across processes.
 
-Grain 0.2.18 workarounds (../shared/JAX_PRACTICES.md §4.2): absl flags are marked
+Grain 0.2.18 workarounds (docs/design.md, "Grain 0.2.18"): absl flags are marked
 parsed before ``mp_prefetch`` (google/grain#1355); everything a worker unpickles
 lives in this importable module (workers are spawned).
 """

@@ -1,6 +1,6 @@
 """The frozen verifier tensors the drafter needs, read from an HF safetensors folder.
 
-Only three tensors are read (../shared/SPEC.md §5, speculators 0.9.0
+Only three tensors are read (docs/formats.md, "Verifier tensors"; speculators 0.9.0
 ``utils/loading.py::load_model_layers``): the input embedding, the output head
 (the embedding when the model ties them) and the final norm weight. Names are
 resolved against ``model.safetensors.index.json`` (sharded) or the header of

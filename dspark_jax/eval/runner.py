@@ -5,7 +5,7 @@
         --dataset heldout=runs/demo/heldout [--dataset code=/data/humaneval ...] \\
         --output-dir runs/demo/eval
 
-The checkpoint is a training/params Orbax directory (``converters/checkpoint.py``) or
+The checkpoint is a training/params Orbax directory (:mod:`dspark_jax.train.checkpoint`) or
 an exported speculators folder (``config.json`` + ``model.safetensors``; imported
 into a temporary checkpoint first). Each dataset is a prepared folder with its
 hidden states (the training formats), evaluated whole: rows packed to

@@ -18,7 +18,7 @@ MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 MUON_NESTEROV = True  # torch.optim.Muon's default (not a reference flag)
 
 
-def _after(prev: jax.Array | None, x: jax.Array) -> jax.Array:
+def after_previous(prev: jax.Array | None, x: jax.Array) -> jax.Array:
     """``x``, bit for bit, but computable only once ``prev`` exists.
 
     The ordering edge that keeps the Muon update one matrix at a time. Without it
@@ -71,7 +71,7 @@ def orthogonalize_leaves(
     """``NS`` of each leaf's torch layout (``leaf.T`` where ``transposed``), fp32 out.
 
     One matrix at a time, in order, like torch's per-parameter loop: leaf ``i``
-    enters Newton-Schulz only once leaf ``i-1``'s result exists (``_after``), so
+    enters Newton-Schulz only once leaf ``i-1``'s result exists (``after_previous``), so
     one matrix's working set is live, not all of them. Equal shapes are not
     batched through a vmapped iteration any more: that needed ``jnp.stack`` copies
     of each group and kept every result alive until the last group was done
@@ -82,7 +82,7 @@ def orthogonalize_leaves(
     )
     out, prev = [], None
     for x, t in zip(leaves, transposed, strict=True):
-        prev, o = _orthogonalize_one(_after(prev, x), t, ns)
+        prev, o = _orthogonalize_one(after_previous(prev, x), t, ns)
         out.append(o)
     return out
 
@@ -138,7 +138,7 @@ def scale_by_torch_muon(
         for g, b, t in zip(grads, bufs, flags, strict=True):
             # Everything below depends on b, so this leaf's momentum, Nesterov input,
             # bf16 copy and NS start only after the previous leaf's NS result exists.
-            b = _after(prev, b)
+            b = after_previous(prev, b)
             g32 = g.astype(jnp.float32)
             buf = lerp(b, g32, w_buf)
             u = lerp(g32, buf, mu32) if nesterov else buf

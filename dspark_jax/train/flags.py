@@ -11,7 +11,7 @@ What each flag does here is one of:
 
 * supported: same meaning as the reference;
 * ``ONLINE``: the online transport (vLLM endpoint, Mooncake; supported, see
-  dspark_jax/data/online.py): it applies only with ``--on-missing generate`` or
+  dspark_jax/data/online/source.py): it applies only with ``--on-missing generate`` or
   ``--hidden-states-backend mooncake``, and giving it otherwise is an error;
 * ``OTHER_TYPE``: an option of another speculator type (eagle3, dflash2, xpress,
   peagle, mtp): giving it is an error (the reference warns and ignores it);

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Sourced by slurm_dspark.sbatch and tpu_pod.sh, never run: messages, the dry-run
-# printer, the HTTP readiness wait, and the trainer command of SEED_COMMAND.md §4.
+# printer, the HTTP readiness wait, and the trainer command of docs/seed_run.md §4.
 # The sourcing script sets RECIPE (its name, prefixed to messages) and `set -euo pipefail`.
 
 RECIPE=${RECIPE:-recipe}
@@ -130,7 +130,7 @@ check_common() {
 }
 
 # build_trainer_cmd ENDPOINT MOONCAKE_ADDR: set TRAIN_CMD to `python -m dspark_jax.train`
-# with every flag of SEED_COMMAND.md §4. ENDPOINT is the extractor's http://HOST:PORT/v1;
+# with every flag of docs/seed_run.md §4. ENDPOINT is the extractor's http://HOST:PORT/v1;
 # MOONCAKE_ADDR (HOST:PORT) is used with TRANSPORT=mooncake. TRAIN_ARGS come last, so
 # they override any flag here (argparse keeps the last value).
 build_trainer_cmd() {

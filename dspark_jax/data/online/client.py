@@ -1,4 +1,5 @@
-"""The client side of the hidden-state extraction protocol (SPEC.md section 4).
+"""The client side of the hidden-state extraction protocol (docs/formats.md, "Online
+extraction protocol").
 
 An extractor is ``vllm serve`` with the ``extract_hidden_states`` speculative
 method and a hidden-states KV connector, or ``launch/serve_hidden_states.py``.
@@ -8,7 +9,7 @@ token ids, ``max_tokens=1``, ``return_token_ids=true``); the answer carries
 ``kv_transfer_params``, which tells the transport where the tensors are: a file
 path (``hidden_states_path``) or a Mooncake handle / manifest.
 
-Used by the trainer's online source (dspark_jax/data/online.py) and the offline
+Used by the trainer's online source (dspark_jax/data/online/source.py) and the offline
 extraction client (launch/vllm_backend.py). Stdlib only.
 """
 

@@ -7,7 +7,7 @@ stand in for it: ``setup``, ``put``, ``get``, ``put_from``, ``get_into``,
 ``get_size``, ``is_exist``, ``remove(key, force=True)``, ``register_buffer``,
 ``unregister_buffer``. Status codes are negative on failure (-704: no such key).
 
-Two formats (SPEC.md section 4), told apart by the HTTP answer's
+Two formats (docs/formats.md, "Mooncake transport"), told apart by the HTTP answer's
 ``kv_transfer_params``:
 
 * **packed** (hs_connectors 0.9.0, ``MooncakeHiddenStatesConnector``): one raw

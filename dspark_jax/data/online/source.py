@@ -5,8 +5,9 @@ With ``--on-missing generate`` the step loader (pipeline.py) asks an
 exist. One round trip, as in speculators 0.9.0 (``ArrowDataset
 ._generate_hidden_states_once``):
 
-1. the completion request of SPEC.md section 4 to ``--vllm-endpoint`` (the served
-   model id, checked once per process, must equal ``--verifier-name-or-path``);
+1. the completion request of docs/formats.md, "Request and response", to
+   ``--vllm-endpoint`` (the served model id, checked once per process, must equal
+   ``--verifier-name-or-path``);
    connection errors, timeouts, HTTP 408/429/5xx retried ``--max-retries`` times
    with exponential backoff;
 2. the answer's ``prompt_token_ids`` must equal the row; its

@@ -9,7 +9,7 @@ into arrays and removes the sample afterwards (``--on-generate delete``):
   exclusive ``flock`` on ``<path>.lock`` until the file is complete; the reader takes
   that lock, removes the ``.lock`` file, then reads (speculators' protocol).
 * :class:`MooncakeTransport` (``--hidden-states-backend mooncake``): a Mooncake
-  store, either wire format (dspark_jax/data/mooncake.py).
+  store, either wire format (dspark_jax/data/online/mooncake.py).
 
 ``fetch`` returns ``(hidden_states [T, slots, H], token_ids [T])`` as stored (fp8
 files dequantised to float32) or raises :class:`TransportError`; validation
