@@ -454,7 +454,12 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", choices=["file", "mooncake"],
                     default=["file", "mooncake"])  # fmt: skip
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--read-threads", type=int, default=1, help="minimum Grain read threads (generating, the pipeline raises it to keep K requests busy)")
+    ap.add_argument(
+        "--read-threads",
+        type=int,
+        default=1,
+        help="minimum Grain read threads (generating, the pipeline raises it to keep K requests busy)",
+    )
     ap.add_argument("--prefetch", type=int, default=4, help="steps prefetched (trainer: 4)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (N 12, T 256, H 64)")
     ap.add_argument("--seed", type=int, default=0)

@@ -41,7 +41,9 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=None, help="reference --max-steps")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--metrics-out", default=None, help="optional JSONL of train metrics every 10 steps")
+    p.add_argument(
+        "--metrics-out", default=None, help="optional JSONL of train metrics every 10 steps"
+    )
     ns = p.parse_args()
 
     torch.set_num_threads(ns.threads)
@@ -144,7 +146,9 @@ def main() -> None:
         schedulers = []
     elif config.scheduler_type == "linear":
         schedulers = [
-            get_linear_schedule_with_warmup(o, num_warmup_steps=warmup, num_training_steps=total, last_epoch=-1)
+            get_linear_schedule_with_warmup(
+                o, num_warmup_steps=warmup, num_training_steps=total, last_epoch=-1
+            )
             for o in optimizers
         ]
     else:
@@ -208,7 +212,10 @@ def main() -> None:
                 s.step()
             if global_step % config.log_freq == 0 and metrics_out is not None:
                 m = normalize_counted_metrics({k: v.item() for k, v in metrics.items()}, 1)
-                metrics_out.write(json.dumps({"train": m, "epoch": epoch, "lr": lrs, "global_step": global_step}) + "\n")
+                metrics_out.write(
+                    json.dumps({"train": m, "epoch": epoch, "lr": lrs, "global_step": global_step})
+                    + "\n"
+                )
                 metrics_out.flush()
             if global_step % ns.log_every == 0:
                 m = normalize_counted_metrics({k: v.item() for k, v in metrics.items()}, 1)
@@ -261,7 +268,10 @@ def main() -> None:
         )
         if stop:
             break
-    print(json.dumps({"impl": "reference", "total_seconds": round(time.time() - t_start, 1)}), flush=True)
+    print(
+        json.dumps({"impl": "reference", "total_seconds": round(time.time() - t_start, 1)}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -50,20 +50,53 @@ def run_point(impl: str, axis: str, value: int, args) -> dict:
     seq = value if axis == "S" else BASE["S"]
     anchors = value if axis == "A" else BASE["A"]
     warmup = args.warmup if impl == "jax" else args.ref_warmup
-    cmd = [sys.executable, str(HERE / "train_step.py"), "--impl", impl, "--preset", args.preset,
-           "--seq", str(seq), "--anchors", str(anchors), "--steps", str(args.steps),
-           "--warmup", str(warmup), "--hidden-states-dtype", args.hidden_states_dtype]
+    cmd = [
+        sys.executable,
+        str(HERE / "train_step.py"),
+        "--impl",
+        impl,
+        "--preset",
+        args.preset,
+        "--seq",
+        str(seq),
+        "--anchors",
+        str(anchors),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(warmup),
+        "--hidden-states-dtype",
+        args.hidden_states_dtype,
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode:
         sys.stderr.write(proc.stderr[-3000:])
-        return {"bench": "scaling_point", "impl": impl, "axis": axis, "S": seq, "A": anchors,
-                "error": f"exit {proc.returncode}"}
-    rec = next(json.loads(x) for x in proc.stdout.splitlines()
-               if x.startswith("{") and json.loads(x).get("bench") == "train_step")
-    out = {"bench": "scaling_point", "impl": impl, "axis": axis, "preset": args.preset,
-           "S": seq, "A": anchors, "dtype": args.hidden_states_dtype,
-           "step_s": rec["step_s_median"], "step_s_all": rec["step_s_all"],
-           "peak_rss_mib": rec["peak_rss_mib"], "loadavg": rec["loadavg"]}
+        return {
+            "bench": "scaling_point",
+            "impl": impl,
+            "axis": axis,
+            "S": seq,
+            "A": anchors,
+            "error": f"exit {proc.returncode}",
+        }
+    rec = next(
+        json.loads(x)
+        for x in proc.stdout.splitlines()
+        if x.startswith("{") and json.loads(x).get("bench") == "train_step"
+    )
+    out = {
+        "bench": "scaling_point",
+        "impl": impl,
+        "axis": axis,
+        "preset": args.preset,
+        "S": seq,
+        "A": anchors,
+        "dtype": args.hidden_states_dtype,
+        "step_s": rec["step_s_median"],
+        "step_s_all": rec["step_s_all"],
+        "peak_rss_mib": rec["peak_rss_mib"],
+        "loadavg": rec["loadavg"],
+    }
     if impl == "jax":
         out["memory_mib"] = rec["compiled_temp_mib"]
         out["memory_kind"] = "compiled temp"
@@ -72,8 +105,11 @@ def run_point(impl: str, axis: str, value: int, args) -> dict:
         out["memory_mib"] = round(rec["peak_rss_mib"] - rec["rss_setup_mib"], 1)
         out["memory_kind"] = "step RSS growth"
         model = rec["reference_model_gib"]
-        out["analytic_mib"] = round(1024 * (model["dense_mask_gib"] + model["eager_attention_gib"]
-                                            + model["full_logits_gib"]), 1)
+        out["analytic_mib"] = round(
+            1024
+            * (model["dense_mask_gib"] + model["eager_attention_gib"] + model["full_logits_gib"]),
+            1,
+        )
     return out
 
 
@@ -104,8 +140,7 @@ def fits(points: dict[tuple, dict]) -> list[dict]:
     for (impl, axis, dtype), rs in sorted(series.items()):
         rs.sort(key=lambda r: r[axis])
         xs = [r[axis] for r in rs]
-        rec = {"bench": "scaling_fit", "impl": impl, "axis": axis, "dtype": dtype,
-               "points": xs}
+        rec = {"bench": "scaling_fit", "impl": impl, "axis": axis, "dtype": dtype, "points": xs}
         for metric in ("step_s", "memory_mib", "peak_rss_mib", "analytic_mib"):
             ys = [r.get(metric) for r in rs]
             if all(y is not None for y in ys):
@@ -130,9 +165,14 @@ def plot(points: dict[tuple, dict], fit_recs: list[dict], path: Path) -> None:
     for col, axis in enumerate(("S", "A")):
         for dtype in dtypes:
             for impl in ("jax", "reference"):
-                rs = sorted((r for k, r in points.items()
-                             if k[0] == impl and k[1] == axis and k[4] == dtype),
-                            key=lambda r: r[axis])
+                rs = sorted(
+                    (
+                        r
+                        for k, r in points.items()
+                        if k[0] == impl and k[1] == axis and k[4] == dtype
+                    ),
+                    key=lambda r: r[axis],
+                )
                 if not rs:
                     continue
                 xs = [r[axis] for r in rs]
@@ -140,17 +180,40 @@ def plot(points: dict[tuple, dict], fit_recs: list[dict], path: Path) -> None:
                 tag = impl if len(dtypes) == 1 else f"{impl} {dtype}"
                 style = "-" if dtype == "bfloat16" else ":"
                 ax = axes[0, col]
-                ax.plot(xs, [r["step_s"] for r in rs], style, marker="o", color=colors[impl],
-                        label=f"{tag} (slope {f.get('step_s_slope_fit')})")
+                ax.plot(
+                    xs,
+                    [r["step_s"] for r in rs],
+                    style,
+                    marker="o",
+                    color=colors[impl],
+                    label=f"{tag} (slope {f.get('step_s_slope_fit')})",
+                )
                 ax = axes[1, col]
-                ax.plot(xs, [r["memory_mib"] for r in rs], style, marker="o", color=colors[impl],
-                        label=f"{tag} {rs[0]['memory_kind']} (slope "
-                              f"{f.get('memory_mib_slope_fit')})")
-                ax.plot(xs, [r["peak_rss_mib"] for r in rs], "--", marker=".",
-                        color=colors[impl], alpha=0.5, label=f"{tag} peak RSS")
+                ax.plot(
+                    xs,
+                    [r["memory_mib"] for r in rs],
+                    style,
+                    marker="o",
+                    color=colors[impl],
+                    label=f"{tag} {rs[0]['memory_kind']} (slope {f.get('memory_mib_slope_fit')})",
+                )
+                ax.plot(
+                    xs,
+                    [r["peak_rss_mib"] for r in rs],
+                    "--",
+                    marker=".",
+                    color=colors[impl],
+                    alpha=0.5,
+                    label=f"{tag} peak RSS",
+                )
                 if impl == "reference" and dtype == dtypes[0]:
-                    ax.plot(xs, [r["analytic_mib"] for r in rs], "-.", color="tab:orange",
-                            label="reference analytic: masks + eager attn + logits")
+                    ax.plot(
+                        xs,
+                        [r["analytic_mib"] for r in rs],
+                        "-.",
+                        color="tab:orange",
+                        label="reference analytic: masks + eager attn + logits",
+                    )
         fixed = "A" if axis == "S" else "S"
         for row, ylabel in enumerate(("step time (s)", "memory (MiB)")):
             ax = axes[row, col]
@@ -164,8 +227,10 @@ def plot(points: dict[tuple, dict], fit_recs: list[dict], path: Path) -> None:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
     load = sorted({tuple(r["loadavg"][:1]) for r in points.values()})
-    fig.suptitle(f"DSpark step, 'small' drafter, {os.cpu_count()} CPU cores "
-                 f"(1-min load {load[0][0]}-{load[-1][0]})")
+    fig.suptitle(
+        f"DSpark step, 'small' drafter, {os.cpu_count()} CPU cores "
+        f"(1-min load {load[0][0]}-{load[-1][0]})"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -176,8 +241,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--axis", choices=("S", "A", "both"), default="both")
     p.add_argument("--impl", nargs="+", choices=("jax", "reference"), default=["jax", "reference"])
-    p.add_argument("--points", type=int, nargs="+", help="values of the axis (default: "
-                   f"S {DEFAULT_POINTS['S']}, A {DEFAULT_POINTS['A']})")
+    p.add_argument(
+        "--points",
+        type=int,
+        nargs="+",
+        help=f"values of the axis (default: S {DEFAULT_POINTS['S']}, A {DEFAULT_POINTS['A']})",
+    )
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1, help="JAX untimed steps (after compile)")
@@ -210,8 +279,15 @@ def main() -> None:
         try:
             plot(points, fit_recs, args.plot)
         except ImportError:
-            print(json.dumps({"bench": "scaling_plot", "error": "matplotlib is not installed "
-                              "(pip install 'dspark-jax[bench]')"}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "scaling_plot",
+                        "error": "matplotlib is not installed (pip install 'dspark-jax[bench]')",
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

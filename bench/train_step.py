@@ -78,34 +78,72 @@ COMMON = dict(
 PRESETS = {
     # name: (decoder geometry, S = total seq len, A = max anchors)
     "tiny": (
-        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, num_hidden_layers=2, vocab_size=1024, sliding_window=64, markov_rank=16),
-        256, 16,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=2,
+            vocab_size=1024,
+            sliding_window=64,
+            markov_rank=16,
+        ),
+        256,
+        16,
     ),
     "small": (
-        dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
-             head_dim=64, num_hidden_layers=2, vocab_size=16384, sliding_window=512,
-             markov_rank=64),
-        2048, 128,
+        dict(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_hidden_layers=2,
+            vocab_size=16384,
+            sliding_window=512,
+            markov_rank=64,
+        ),
+        2048,
+        128,
     ),
     "k3-shape": (  # docs/seed_run.md
-        dict(hidden_size=7168, intermediate_size=14336, num_attention_heads=96,
-             num_key_value_heads=16, head_dim=64, num_hidden_layers=5, vocab_size=163840,
-             sliding_window=2048, markov_rank=256),
-        8192, 1024,
+        dict(
+            hidden_size=7168,
+            intermediate_size=14336,
+            num_attention_heads=96,
+            num_key_value_heads=16,
+            head_dim=64,
+            num_hidden_layers=5,
+            vocab_size=163840,
+            sliding_window=2048,
+            markov_rank=256,
+        ),
+        8192,
+        1024,
     ),
 }
 # Dense bf16 tensor-core peaks (vendor spec sheets, no sparsity), FLOP/s.
-PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "H800": 989.4e12, "H20": 148e12,
-             "B200": 2250e12, "B300": 2250e12, "GB200": 2500e12, "A100": 312e12,
-             "L40S": 362e12, "A10": 125e12}
+PEAK_BF16 = {
+    "H200": 989.4e12,
+    "H100": 989.4e12,
+    "H800": 989.4e12,
+    "H20": 148e12,
+    "B200": 2250e12,
+    "B300": 2250e12,
+    "GB200": 2500e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+}
 
 
 def preset_config(name: str) -> tuple[DSparkConfig, int, int]:
     geometry, seq, anchors = PRESETS[name]
     layers = geometry["num_hidden_layers"]
     cfg = DSparkConfig(
-        **geometry, **COMMON,
+        **geometry,
+        **COMMON,
         layer_types=("sliding_attention",) * layers,
         mask_token_id=geometry["vocab_size"] - 3,
     )
@@ -128,9 +166,9 @@ def synthetic_row(cfg: DSparkConfig, seq: int, seed: int) -> dict[str, np.ndarra
     mask = np.zeros(seq, np.int32)
     start = 0
     for i, n in enumerate(lengths):
-        pos[start:start + n] = np.arange(n)
-        doc[start:start + n] = i
-        mask[start + n // 5:start + n] = 1
+        pos[start : start + n] = np.arange(n)
+        doc[start : start + n] = i
+        mask[start + n // 5 : start + n] = 1
         start += n
     h, n_aux = cfg.verifier_hidden_size, cfg.num_aux_layers
     return {
@@ -162,7 +200,7 @@ def init_tensor(key: str, shape: tuple[int, ...], cfg: DSparkConfig) -> np.ndarr
     if key.endswith(".bias"):
         return np.zeros(shape, np.float32)
     if key.endswith("markov_w2.weight"):
-        bound = cfg.markov_rank ** -0.5
+        bound = cfg.markov_rank**-0.5
         return rng.uniform(-bound, bound, shape).astype(np.float32)
     std = 0.01 if key.endswith("markov_w1.weight") else 0.02
     return (std * rng.standard_normal(shape, np.float32)).astype(np.float32)
@@ -174,7 +212,9 @@ def frozen_tensors(cfg: DSparkConfig) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1234)
     head = (0.02 * rng.standard_normal((cfg.draft_vocab_size, h), np.float32)).astype(BF16)
     return {
-        "embed_tokens.weight": (0.02 * rng.standard_normal((cfg.vocab_size, h), np.float32)).astype(BF16),
+        "embed_tokens.weight": (0.02 * rng.standard_normal((cfg.vocab_size, h), np.float32)).astype(
+            BF16
+        ),
         "lm_head.weight": head,  # draft vocab = verifier vocab: the same head
         "verifier_norm.weight": np.ones(cfg.verifier_hidden_size, BF16),
     }
@@ -211,7 +251,12 @@ def model_flops(cfg: DSparkConfig, seq: int, num_anchors: int, pairs: list[int],
     the Newton-Schulz optimizer matmuls are not model FLOPs and not counted.
     """
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    nq, nkv, v, r = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.draft_vocab_size, cfg.markov_rank
+    nq, nkv, v, r = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.draft_vocab_size,
+        cfg.markov_rank,
+    )
     q = num_anchors * cfg.block_size
     fwd = {
         "fc": 2 * seq * cfg.num_aux_layers * cfg.verifier_hidden_size * h,
@@ -235,12 +280,19 @@ def newton_schulz_flops(cfg: DSparkConfig, ns_steps: int = 5) -> int:
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     shapes = [(h, cfg.num_aux_layers * cfg.verifier_hidden_size)]
-    shapes += cfg.num_hidden_layers * [(nq * d, h), (nkv * d, h), (nkv * d, h), (h, nq * d),
-                                       (i, h), (i, h), (h, i)]
+    shapes += cfg.num_hidden_layers * [
+        (nq * d, h),
+        (nkv * d, h),
+        (nkv * d, h),
+        (h, nq * d),
+        (i, h),
+        (i, h),
+        (h, i),
+    ]
     total = 0
     for a, b in shapes:
         m, n = min(a, b), max(a, b)
-        total += ns_steps * (4 * m * m * n + 2 * m ** 3)
+        total += ns_steps * (4 * m * m * n + 2 * m**3)
     return total
 
 
@@ -258,7 +310,7 @@ def reference_memory_model(cfg: DSparkConfig, seq: int, num_anchors: int) -> dic
     * state: fp32 params + grads, Muon momentum, AdamW moments, fp32 frozen
       embedding + lm_head + verifier_lm_head.
     """
-    gib = 2.0 ** -30
+    gib = 2.0**-30
     q, kv = num_anchors * cfg.block_size, seq + num_anchors * cfg.block_size
     kinds = len({cfg.layer_sliding_window(i) is None for i in range(cfg.num_hidden_layers)})
     h, v, vt = cfg.hidden_size, cfg.draft_vocab_size, cfg.vocab_size
@@ -310,11 +362,20 @@ def base_record(args, impl, cfg, seq, anchors, row, anc, valid) -> dict:
     pairs = visible_pairs(cfg, row, anc, valid)
     flops, _ = model_flops(cfg, seq, anchors, pairs, args.rows)
     return {
-        "bench": "train_step", "impl": impl, "preset": args.preset, "S": seq, "A": anchors,
-        "Q": anchors * cfg.block_size, "rows": args.rows, "remat": args.remat,
+        "bench": "train_step",
+        "impl": impl,
+        "preset": args.preset,
+        "S": seq,
+        "A": anchors,
+        "Q": anchors * cfg.block_size,
+        "rows": args.rows,
+        "remat": args.remat,
         "dtype": args.hidden_states_dtype,
-        "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "vocab": cfg.draft_vocab_size,
-        "valid_anchors": int(valid.sum()), "model_flops_per_step": flops,
+        "hidden": cfg.hidden_size,
+        "layers": cfg.num_hidden_layers,
+        "vocab": cfg.draft_vocab_size,
+        "valid_anchors": int(valid.sum()),
+        "model_flops_per_step": flops,
         "optimizer_flops_per_step": newton_schulz_flops(cfg),
     }
 
@@ -346,7 +407,10 @@ def jax_setup(args, cfg: DSparkConfig, seq: int, num_anchors: int, abstract: boo
     from dspark_jax.optim import build_optimizer
 
     settings = LossSettings.from_loss_fn(
-        LOSS_FN, num_anchors=num_anchors, gamma=GAMMA, confidence_head_alpha=CONF_ALPHA,
+        LOSS_FN,
+        num_anchors=num_anchors,
+        gamma=GAMMA,
+        confidence_head_alpha=CONF_ALPHA,
         vocab_chunk_tokens=args.loss_chunk,
     )
     cdt = jnp.bfloat16 if args.hidden_states_dtype == "bfloat16" else jnp.float32
@@ -355,15 +419,20 @@ def jax_setup(args, cfg: DSparkConfig, seq: int, num_anchors: int, abstract: boo
     )
     graphdef, abs_params = nnx.split(model, nnx.Param)
     tx, _ = build_optimizer(
-        abs_params, optimizer="muon", lr=OPTIM["lr"], scheduler_type="cosine",
-        total_steps=OPTIM["total_steps"], warmup_ratio=OPTIM["warmup_ratio"],
+        abs_params,
+        optimizer="muon",
+        lr=OPTIM["lr"],
+        scheduler_type="cosine",
+        total_steps=OPTIM["total_steps"],
+        warmup_ratio=OPTIM["warmup_ratio"],
     )
 
     def step(state, frozen, batch, anchors, valid):
         def loss_fn(params):
             m = nnx.merge(graphdef, params)
             losses, _ = jax.vmap(lambda r, a, v: row_loss(m, frozen, r, a, v, settings))(
-                batch, anchors, valid)
+                batch, anchors, valid
+            )
             return losses.mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
@@ -375,8 +444,12 @@ def jax_setup(args, cfg: DSparkConfig, seq: int, num_anchors: int, abstract: boo
     bf16 = jnp.bfloat16
     if abstract:
         state = {"params": abs_params, "opt": jax.eval_shape(tx.init, abs_params)}
-        frozen = FrozenWeights(sds((cfg.vocab_size, h), bf16), sds((h, vd), bf16),
-                               sds((h, vd), bf16), sds((cfg.verifier_hidden_size,), bf16))
+        frozen = FrozenWeights(
+            sds((cfg.vocab_size, h), bf16),
+            sds((h, vd), bf16),
+            sds((h, vd), bf16),
+            sds((cfg.verifier_hidden_size,), bf16),
+        )
         row = synthetic_shapes(cfg, seq, cdt)
         batch = {k: sds((r, *s), d) for k, (s, d) in row.items()}
         anchors = sds((r, num_anchors), jnp.int32)
@@ -393,12 +466,19 @@ def jax_setup(args, cfg: DSparkConfig, seq: int, num_anchors: int, abstract: boo
         del tensors
         ft = frozen_tensors(cfg)
         head = jnp.asarray(ft["lm_head.weight"].T)
-        frozen = FrozenWeights(jnp.asarray(ft["embed_tokens.weight"]), head, head,
-                               jnp.asarray(ft["verifier_norm.weight"]))
+        frozen = FrozenWeights(
+            jnp.asarray(ft["embed_tokens.weight"]),
+            head,
+            head,
+            jnp.asarray(ft["verifier_norm.weight"]),
+        )
         del ft
     else:  # random on the device (k3-shape on a GPU: no 2.4e9-parameter host init)
-        params = jax.jit(lambda: nnx.state(
-            DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=cdt, remat=args.remat), nnx.Param))()
+        params = jax.jit(
+            lambda: nnx.state(
+                DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=cdt, remat=args.remat), nnx.Param
+            )
+        )()
         k1, k2 = jax.random.split(jax.random.key(1))
         head = jax.jit(lambda: (0.02 * jax.random.normal(k1, (h, vd))).astype(bf16))()
         embed = jax.jit(lambda: (0.02 * jax.random.normal(k2, (cfg.vocab_size, h))).astype(bf16))()
@@ -417,21 +497,25 @@ def synthetic_shapes(cfg: DSparkConfig, seq: int, dtype):
     return {
         "hidden_states": ((seq, n_aux * h), dtype),
         "verifier_last_hidden_states": ((seq, h), dtype),
-        "input_ids": ((seq,), jnp.int32), "loss_mask": ((seq,), jnp.int32),
-        "position_ids": ((seq,), jnp.int32), "document_ids": ((seq,), jnp.int32),
+        "input_ids": ((seq,), jnp.int32),
+        "loss_mask": ((seq,), jnp.int32),
+        "position_ids": ((seq,), jnp.int32),
+        "document_ids": ((seq,), jnp.int32),
     }
 
 
 def host_batch(args, cfg: DSparkConfig, seq: int, num_anchors: int):
     rows = [synthetic_row(cfg, seq, seed=args.seed + i) for i in range(args.rows)]
-    picks = [pick_anchors(rw["loss_mask"], num_anchors, cfg.block_size, args.seed + i)
-             for i, rw in enumerate(rows)]
+    picks = [
+        pick_anchors(rw["loss_mask"], num_anchors, cfg.block_size, args.seed + i)
+        for i, rw in enumerate(rows)
+    ]
     return rows, np.stack([p[0] for p in picks]), np.stack([p[1] for p in picks])
 
 
 def memory_record(compiled) -> dict:
     mem = compiled.memory_analysis()
-    mib = 2.0 ** -20
+    mib = 2.0**-20
     if mem is None:
         return {}
     return {
@@ -451,21 +535,43 @@ def run_jax(args, cfg, seq, num_anchors, compile_only: bool) -> None:
     t0 = time.perf_counter()
     compiled = jstep.lower(*inputs).compile()
     compile_s = time.perf_counter() - t0
-    rec = {"bench": "train_step", "impl": "jax", "preset": args.preset, "S": seq,
-           "A": num_anchors, "Q": num_anchors * cfg.block_size, "rows": args.rows,
-           "remat": args.remat, "dtype": args.hidden_states_dtype, "backend": jax.default_backend(),
-           "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
-           "loss_chunk": args.loss_chunk, **memory_record(compiled)}
+    rec = {
+        "bench": "train_step",
+        "impl": "jax",
+        "preset": args.preset,
+        "S": seq,
+        "A": num_anchors,
+        "Q": num_anchors * cfg.block_size,
+        "rows": args.rows,
+        "remat": args.remat,
+        "dtype": args.hidden_states_dtype,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "compile_s": round(compile_s, 2),
+        "loss_chunk": args.loss_chunk,
+        **memory_record(compiled),
+    }
     if compile_only:
         rec["mode"] = "compile-only"
         rec["reference_model_gib"] = {
-            k: round(x, 2) for k, x in reference_memory_model(cfg, seq, num_anchors).items()}
+            k: round(x, 2) for k, x in reference_memory_model(cfg, seq, num_anchors).items()
+        }
         rec["peak_rss_mib"] = round(rss_mib(), 1)
         emit(rec)
         return
     state, frozen, batch, anchors, valid = inputs
-    rec.update(base_record(args, "jax", cfg, seq, num_anchors, rows[0],
-                           np.asarray(anchors[0]), np.asarray(valid[0])))
+    rec.update(
+        base_record(
+            args,
+            "jax",
+            cfg,
+            seq,
+            num_anchors,
+            rows[0],
+            np.asarray(anchors[0]),
+            np.asarray(valid[0]),
+        )
+    )
     rec["rss_setup_mib"] = round(rss_mib(), 1)
     rec["rss_imports_mib"] = round(rss0, 1)
     times, losses = [], []
@@ -520,15 +626,23 @@ def jax_profile(compiled, state, frozen, batch, anchors, valid, args, steps: int
     top = sorted(by_src.items(), key=lambda kv: -kv[1])[: args.profile_top]
     prims = sorted(by_prim.items(), key=lambda kv: -kv[1])[: args.profile_top]
     return {
-        "bench": "profile", "impl": "jax", "preset": args.preset, "steps": steps,
+        "bench": "profile",
+        "impl": "jax",
+        "preset": args.preset,
+        "steps": steps,
         "traced_op_s_per_step": round(total / 1e6 / steps, 4),
-        "by_component_pct": {k: round(100 * v / total, 1) for k, v in
-                             sorted(by_cat.items(), key=lambda kv: -kv[1])},
-        "top_sources": [{"src": s, "pct": round(100 * us / total, 1),
-                         "s_per_step": round(us / 1e6 / steps, 4)} for s, us in top],
+        "by_component_pct": {
+            k: round(100 * v / total, 1) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
+        },
+        "top_sources": [
+            {"src": s, "pct": round(100 * us / total, 1), "s_per_step": round(us / 1e6 / steps, 4)}
+            for s, us in top
+        ],
         # jax primitive each (fused) XLA op was emitted for (a fusion: its root's)
-        "top_primitives": [{"op": p, "pct": round(100 * us / total, 1),
-                            "s_per_step": round(us / 1e6 / steps, 4)} for p, us in prims],
+        "top_primitives": [
+            {"op": p, "pct": round(100 * us / total, 1), "s_per_step": round(us / 1e6 / steps, 4)}
+            for p, us in prims
+        ],
     }
 
 
@@ -622,10 +736,17 @@ def self_times(events: list[dict]) -> dict[str, float]:
 
 
 def categorize(src: str) -> str:
-    for key, cat in (("attention.py", "attention"), ("losses.py", "loss (vocab chunks)"),
-                     ("optim/", "optimizer"), ("_muon", "optimizer"), ("optax", "optimizer"),
-                     ("layers.py", "decoder (proj/mlp/norm/rope)"), ("heads.py", "markov/conf heads"),
-                     ("draft.py", "drafter glue"), ("anchors.py", "drafter glue")):
+    for key, cat in (
+        ("attention.py", "attention"),
+        ("losses.py", "loss (vocab chunks)"),
+        ("optim/", "optimizer"),
+        ("_muon", "optimizer"),
+        ("optax", "optimizer"),
+        ("layers.py", "decoder (proj/mlp/norm/rope)"),
+        ("heads.py", "markov/conf heads"),
+        ("draft.py", "drafter glue"),
+        ("anchors.py", "drafter glue"),
+    ):
         if key in src:
             return cat
     return "other"
@@ -651,8 +772,16 @@ def jax_components(args, cfg, seq, num_anchors, rows, anchors, valid) -> None:
             t = time.perf_counter()
             jax.block_until_ready(f(*xs))
             times.append(time.perf_counter() - t)
-        emit({"bench": "component", "impl": "jax", "preset": args.preset, "component": name,
-              **timing(times), **extra})
+        emit(
+            {
+                "bench": "component",
+                "impl": "jax",
+                "preset": args.preset,
+                "component": name,
+                **timing(times),
+                **extra,
+            }
+        )
 
     key = jax.random.key(0)
     q, b = num_anchors * cfg.block_size, cfg.block_size
@@ -666,19 +795,33 @@ def jax_components(args, cfg, seq, num_anchors, rows, anchors, valid) -> None:
     w = cfg.layer_sliding_window(0)
 
     def attn(qx, kc, vc, kb, vb, anc, doc):
-        return anchored_block_attention(qx, kc, vc, kb, vb, anc, doc, block_size=b,
-                                        sliding_window=w, causal_in_block=w is not None)
+        return anchored_block_attention(
+            qx,
+            kc,
+            vc,
+            kb,
+            vb,
+            anc,
+            doc,
+            block_size=b,
+            sliding_window=w,
+            causal_in_block=w is not None,
+        )
 
     layers = cfg.num_hidden_layers
     xs = (qx, kc, vc, kb, vb, anc, doc)
     bench("attention_fwd (1 layer)", attn, *xs, layers=layers)
-    bench("attention_fwd_bwd (1 layer)",
-          jax.grad(lambda *xs: attn(*xs).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4)),
-          *xs, layers=layers)
+    bench(
+        "attention_fwd_bwd (1 layer)",
+        jax.grad(lambda *xs: attn(*xs).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4)),
+        *xs,
+        layers=layers,
+    )
 
     # Loss: the vocab-chunked per-slot values + DSpark reduction, fwd and fwd+bwd.
-    settings = LossSettings.from_loss_fn(LOSS_FN, num_anchors=num_anchors,
-                                         vocab_chunk_tokens=args.loss_chunk)
+    settings = LossSettings.from_loss_fn(
+        LOSS_FN, num_anchors=num_anchors, vocab_chunk_tokens=args.loss_chunk
+    )
     vd, r = cfg.draft_vocab_size, cfg.markov_rank
     hid = jax.random.normal(ks[5], (q, h), bf16)
     th = jax.random.normal(ks[6], (q, h), bf16)
@@ -690,8 +833,16 @@ def jax_components(args, cfg, seq, num_anchors, rows, anchors, valid) -> None:
     weights = dict(settings.loss_weights)
 
     def loss(hid, feat, w2, conf, head, th, mask):
-        vals = L.per_position_values(hid, jax.lax.stop_gradient(head), th, head, feat, w2,
-                                     terms=tuple(weights), chunk_size=args.loss_chunk)
+        vals = L.per_position_values(
+            hid,
+            jax.lax.stop_gradient(head),
+            th,
+            head,
+            feat,
+            w2,
+            terms=tuple(weights),
+            chunk_size=args.loss_chunk,
+        )
         return L.dspark_loss(vals, conf, mask, block_size=b, loss_weights=weights)[0]
 
     xs = (hid, feat, w2, conf, head, th, mask)
@@ -702,8 +853,14 @@ def jax_components(args, cfg, seq, num_anchors, rows, anchors, valid) -> None:
     model = nnx.eval_shape(lambda: DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=bf16))
     _, abs_params = nnx.split(model, nnx.Param)
     params = jax.tree.map(lambda s: 0.02 * jnp.ones(s.shape, s.dtype), abs_params)
-    tx, _ = build_optimizer(params, optimizer="muon", lr=1e-4, scheduler_type="cosine",
-                            total_steps=1000, warmup_ratio=0.03)
+    tx, _ = build_optimizer(
+        params,
+        optimizer="muon",
+        lr=1e-4,
+        scheduler_type="cosine",
+        total_steps=1000,
+        warmup_ratio=0.03,
+    )
     opt = tx.init(params)
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
 
@@ -721,10 +878,18 @@ def run_reference(args, cfg, seq, num_anchors) -> None:
     if args.rows != 1:
         raise SystemExit("--impl reference runs one packed row per step (one rank's work)")
     if args.preset == "k3-shape" and not args.force:
-        rec = {"bench": "train_step", "impl": "reference", "preset": args.preset, "S": seq,
-               "A": num_anchors, "Q": num_anchors * cfg.block_size, "mode": "analytic"}
+        rec = {
+            "bench": "train_step",
+            "impl": "reference",
+            "preset": args.preset,
+            "S": seq,
+            "A": num_anchors,
+            "Q": num_anchors * cfg.block_size,
+            "mode": "analytic",
+        }
         rec["reference_model_gib"] = {
-            k: round(x, 2) for k, x in reference_memory_model(cfg, seq, num_anchors).items()}
+            k: round(x, 2) for k, x in reference_memory_model(cfg, seq, num_anchors).items()
+        }
         rec["reference_model_total_gib"] = round(sum(rec["reference_model_gib"].values()), 1)
         emit(rec)
         return
@@ -739,8 +904,11 @@ def run_reference(args, cfg, seq, num_anchors) -> None:
     rss0 = rss_mib()
     torch.manual_seed(0)
     model = RefModel(reference_config(cfg))  # fp32 parameters, like the reference trainer
-    sd = {k: torch.from_numpy(init_tensor(k, tuple(p.shape), cfg))
-          for k, p in model.named_parameters() if p.requires_grad}
+    sd = {
+        k: torch.from_numpy(init_tensor(k, tuple(p.shape), cfg))
+        for k, p in model.named_parameters()
+        if p.requires_grad
+    }
     ft = frozen_tensors(cfg)
     head = torch.from_numpy(ft["lm_head.weight"].astype(np.float32))
     sd["embed_tokens.weight"] = torch.from_numpy(ft["embed_tokens.weight"].astype(np.float32))
@@ -756,11 +924,18 @@ def run_reference(args, cfg, seq, num_anchors) -> None:
     model.train()
 
     config = TrainerConfig(
-        lr=OPTIM["lr"], num_epochs=1, save_path="unused", optimizer="muon", muon_lr=OPTIM["lr"],
-        scheduler_type="cosine", scheduler_warmup_ratio=OPTIM["warmup_ratio"],
+        lr=OPTIM["lr"],
+        num_epochs=1,
+        save_path="unused",
+        optimizer="muon",
+        muon_lr=OPTIM["lr"],
+        scheduler_type="cosine",
+        scheduler_warmup_ratio=OPTIM["warmup_ratio"],
     )
     trainer = types.SimpleNamespace(  # what Trainer.setup_optimizer reads
-        model=model, config=config, resume_from_checkpoint=False,
+        model=model,
+        config=config,
+        resume_from_checkpoint=False,
         checkpointer=types.SimpleNamespace(previous_epoch=-1),
         train_loader=range(OPTIM["total_steps"]),
     )
@@ -778,15 +953,20 @@ def run_reference(args, cfg, seq, num_anchors) -> None:
 
     batch = {
         "hidden_states": t("hidden_states", getattr(torch, args.hidden_states_dtype)),
-        "verifier_last_hidden_states": t("verifier_last_hidden_states",
-                                         getattr(torch, args.hidden_states_dtype)),
-        "input_ids": t("input_ids", torch.long), "loss_mask": t("loss_mask", torch.long),
+        "verifier_last_hidden_states": t(
+            "verifier_last_hidden_states", getattr(torch, args.hidden_states_dtype)
+        ),
+        "input_ids": t("input_ids", torch.long),
+        "loss_mask": t("loss_mask", torch.long),
         "position_ids": t("position_ids", torch.long),
         "document_ids": t("document_ids", torch.long),
     }
     call_kwargs = dict(
-        loss_config=resolve_loss_config(LOSS_FN, "eager"), tv_loss_fn=eager.tv_loss,
-        gamma=GAMMA, max_anchors=num_anchors, confidence_head_alpha=CONF_ALPHA,
+        loss_config=resolve_loss_config(LOSS_FN, "eager"),
+        tv_loss_fn=eager.tv_loss,
+        gamma=GAMMA,
+        max_anchors=num_anchors,
+        confidence_head_alpha=CONF_ALPHA,
         per_position_loss_weight="fixed-exp-decay",
     )
 
@@ -811,8 +991,11 @@ def run_reference(args, cfg, seq, num_anchors) -> None:
         return float(loss.detach())
 
     rec = base_record(args, "reference", cfg, seq, num_anchors, row, anc[0], val[0])
-    rec.update(torch_threads=torch.get_num_threads(), rss_imports_mib=round(rss0, 1),
-               rss_setup_mib=round(rss_mib(), 1))
+    rec.update(
+        torch_threads=torch.get_num_threads(),
+        rss_imports_mib=round(rss0, 1),
+        rss_setup_mib=round(rss_mib(), 1),
+    )
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -820,13 +1003,16 @@ def run_reference(args, cfg, seq, num_anchors) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     rec.update(timing(times))
-    rec["phase_s_median"] = {k: round(statistics.median(v[args.warmup:]), 4)
-                             for k, v in phases.items()}
+    rec["phase_s_median"] = {
+        k: round(statistics.median(v[args.warmup :]), 4) for k, v in phases.items()
+    }
     rec["loss_first"], rec["loss_last"] = round(losses[0], 6), round(losses[-1], 6)
-    throughput(rec, statistics.median(times), cfg, int((row["document_ids"] != -1).sum()),
-               args.peak_flops)
+    throughput(
+        rec, statistics.median(times), cfg, int((row["document_ids"] != -1).sum()), args.peak_flops
+    )
     rec["reference_model_gib"] = {
-        k: round(x, 3) for k, x in reference_memory_model(cfg, seq, num_anchors).items()}
+        k: round(x, 3) for k, x in reference_memory_model(cfg, seq, num_anchors).items()
+    }
     rec["peak_rss_mib"] = round(rss_mib(), 1)
     emit(rec)
     if args.profile:
@@ -838,11 +1024,24 @@ def run_reference(args, cfg, seq, num_anchors) -> None:
         avg = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in avg)
         top = sorted(avg, key=lambda e: -e.self_cpu_time_total)[: args.profile_top]
-        emit({"bench": "profile", "impl": "reference", "preset": args.preset, "steps": 2,
-              "traced_op_s_per_step": round(total / 1e6 / 2, 4),
-              "top_ops": [{"op": e.key, "pct": round(100 * e.self_cpu_time_total / total, 1),
-                           "s_per_step": round(e.self_cpu_time_total / 1e6 / 2, 4),
-                           "calls_per_step": e.count // 2} for e in top]})
+        emit(
+            {
+                "bench": "profile",
+                "impl": "reference",
+                "preset": args.preset,
+                "steps": 2,
+                "traced_op_s_per_step": round(total / 1e6 / 2, 4),
+                "top_ops": [
+                    {
+                        "op": e.key,
+                        "pct": round(100 * e.self_cpu_time_total / total, 1),
+                        "s_per_step": round(e.self_cpu_time_total / 1e6 / 2, 4),
+                        "calls_per_step": e.count // 2,
+                    }
+                    for e in top
+                ],
+            }
+        )
 
 
 # ------------------------------------------------------------------------------ both
@@ -877,24 +1076,34 @@ def run_both(args, argv: list[str]) -> None:
         return
     time_ratios = [a["step_s_median"] / b["step_s_median"] for a, b in zip(jx, rf)]
     rss_ratios = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(jx, rf)]
-    emit({
-        "bench": "comparison", "preset": args.preset, "S": jx[0]["S"], "A": jx[0]["A"],
-        "repeats": len(time_ratios),
-        "jax_step_s_median": statistics.median(a["step_s_median"] for a in jx),
-        "reference_step_s_median": statistics.median(b["step_s_median"] for b in rf),
-        "step_time_ratio_jax_over_ref": round(statistics.median(time_ratios), 3),
-        "step_time_ratios": [round(x, 3) for x in time_ratios],
-        "jax_peak_rss_mib": statistics.median(a["peak_rss_mib"] for a in jx),
-        "reference_peak_rss_mib": statistics.median(b["peak_rss_mib"] for b in rf),
-        "peak_rss_ratio_jax_over_ref": round(statistics.median(rss_ratios), 3),
-        # Without the libraries' own footprint (RSS after imports: torch + transformers +
-        # speculators ~540 MiB, JAX ~160 MiB before its backend starts).
-        "rss_over_imports_ratio_jax_over_ref": round(statistics.median(
-            (a["peak_rss_mib"] - a["rss_imports_mib"]) / (b["peak_rss_mib"] - b["rss_imports_mib"])
-            for a, b in zip(jx, rf)), 3),
-        "jax_compiled_temp_mib": jx[0].get("compiled_temp_mib"),
-        "loss_first": {"jax": jx[0]["loss_first"], "reference": rf[0]["loss_first"]},
-    })
+    emit(
+        {
+            "bench": "comparison",
+            "preset": args.preset,
+            "S": jx[0]["S"],
+            "A": jx[0]["A"],
+            "repeats": len(time_ratios),
+            "jax_step_s_median": statistics.median(a["step_s_median"] for a in jx),
+            "reference_step_s_median": statistics.median(b["step_s_median"] for b in rf),
+            "step_time_ratio_jax_over_ref": round(statistics.median(time_ratios), 3),
+            "step_time_ratios": [round(x, 3) for x in time_ratios],
+            "jax_peak_rss_mib": statistics.median(a["peak_rss_mib"] for a in jx),
+            "reference_peak_rss_mib": statistics.median(b["peak_rss_mib"] for b in rf),
+            "peak_rss_ratio_jax_over_ref": round(statistics.median(rss_ratios), 3),
+            # Without the libraries' own footprint (RSS after imports: torch + transformers +
+            # speculators ~540 MiB, JAX ~160 MiB before its backend starts).
+            "rss_over_imports_ratio_jax_over_ref": round(
+                statistics.median(
+                    (a["peak_rss_mib"] - a["rss_imports_mib"])
+                    / (b["peak_rss_mib"] - b["rss_imports_mib"])
+                    for a, b in zip(jx, rf)
+                ),
+                3,
+            ),
+            "jax_compiled_temp_mib": jx[0].get("compiled_temp_mib"),
+            "loss_first": {"jax": jx[0]["loss_first"], "reference": rf[0]["loss_first"]},
+        }
+    )
 
 
 # ------------------------------------------------------------------------------ main
@@ -904,9 +1113,13 @@ def peak_for_device(explicit: float | None) -> float | None:
     if explicit:
         return explicit * 1e12
     try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              check=False, capture_output=True, text=True,
-                              timeout=20).stdout.splitlines()
+        name = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.splitlines()
     except (OSError, subprocess.TimeoutExpired):
         return None
     if not name:
@@ -922,29 +1135,49 @@ def parse_args(argv):
     p.add_argument("--impl", choices=("jax", "reference", "both"), required=True)
     p.add_argument("--preset", choices=tuple(PRESETS), default="small")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (JAX: the "
-                   "compiled step's first calls; compile time is reported on its own)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps first (JAX: the "
+        "compiled step's first calls; compile time is reported on its own)",
+    )
     p.add_argument("--seq", type=int, help="override S (total seq len)")
     p.add_argument("--anchors", type=int, help="override A (max anchors)")
     p.add_argument("--rows", type=int, default=1, help="packed rows per step (JAX only)")
     p.add_argument("--remat", action="store_true", help="gradient checkpointing on both sides")
-    p.add_argument("--hidden-states-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="both trainers' flag: the hidden states' dtype and the compute dtype "
-                   "(JAX: the model's dtype; reference: torch.autocast, off for float32)")
+    p.add_argument(
+        "--hidden-states-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="both trainers' flag: the hidden states' dtype and the compute dtype "
+        "(JAX: the model's dtype; reference: torch.autocast, off for float32)",
+    )
     p.add_argument("--loss-chunk", type=int, default=1024, help="JAX loss slots per vocab chunk")
-    p.add_argument("--init", choices=("matched", "device"), default=None,
-                   help="JAX weights: matched to the reference (host numpy) or random on the "
-                   "device (default: matched, device for k3-shape)")
-    p.add_argument("--compile-only", action="store_true",
-                   help="JAX: lower + compile from ShapeDtypeStructs, report memory_analysis()")
+    p.add_argument(
+        "--init",
+        choices=("matched", "device"),
+        default=None,
+        help="JAX weights: matched to the reference (host numpy) or random on the "
+        "device (default: matched, device for k3-shape)",
+    )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="JAX: lower + compile from ShapeDtypeStructs, report memory_analysis()",
+    )
     p.add_argument("--force", action="store_true", help="run k3-shape for real even on CPU")
     p.add_argument("--components", action="store_true", help="JAX: time the step's parts")
     p.add_argument("--profile", action="store_true", help="aggregate a trace of 2 steps by op")
     p.add_argument("--profile-top", type=int, default=15)
     p.add_argument("--repeat", type=int, default=1, help="--impl both: runs of each")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak bf16 TFLOP/s for MFU (default: from nvidia-smi's GPU name)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak bf16 TFLOP/s for MFU (default: from nvidia-smi's GPU name)",
+    )
     return p.parse_args(argv)
 
 
@@ -963,7 +1196,8 @@ def main(argv: list[str] | None = None) -> None:
         import jax
 
         compile_only = args.compile_only or (
-            args.preset == "k3-shape" and jax.default_backend() == "cpu" and not args.force)
+            args.preset == "k3-shape" and jax.default_backend() == "cpu" and not args.force
+        )
         run_jax(args, cfg, seq, num_anchors, compile_only)
     else:
         run_reference(args, cfg, seq, num_anchors)

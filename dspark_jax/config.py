@@ -130,7 +130,11 @@ class DSparkConfig:
                 f"DSparkConfig.markov_head_type: unknown head type {self.markov_head_type!r}, "
                 f"expected one of {MARKOV_HEAD_TYPES}"
             )
-        if self.enable_confidence_head and self.confidence_head_with_markov and not self.markov_rank:
+        if (
+            self.enable_confidence_head
+            and self.confidence_head_with_markov
+            and not self.markov_rank
+        ):
             raise ValueError(
                 "DSparkConfig.confidence_head_with_markov=True requires markov_rank > 0 "
                 "(or set confidence_head_with_markov=False)"
@@ -325,7 +329,9 @@ def decoder_fields_from_qwen3(tl: dict[str, Any], source: str = "draft config") 
         num_hidden_layers=int(tl["num_hidden_layers"]),
         vocab_size=int(tl["vocab_size"]),
         layer_types=tuple(layer_types) if layer_types is not None else None,
-        sliding_window=sliding_window if layer_types and "sliding_attention" in layer_types else None,
+        sliding_window=sliding_window
+        if layer_types and "sliding_attention" in layer_types
+        else None,
         rope_theta=float(theta),
         rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
         attention_bias=bool(tl.get("attention_bias", False)),

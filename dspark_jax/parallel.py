@@ -55,7 +55,9 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
             try:
                 sizes[name] = int(value)
             except ValueError:
-                raise ValueError(f"--mesh: size of {name!r} must be an int, got {value!r}") from None
+                raise ValueError(
+                    f"--mesh: size of {name!r} must be an int, got {value!r}"
+                ) from None
     else:
         sizes = dict(spec)
     full = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
@@ -93,7 +95,9 @@ def _fit(spec: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
         if name is not None and name not in LOGICAL_RULES:
             raise ValueError(f"no sharding rule for logical axis {name!r}")
         if axes is not None:
-            size = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+            size = int(
+                np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)])
+            )
             if dim % size:
                 log.debug("dim %d not divisible by %s=%d: replicated", dim, axes, size)
                 axes = None
@@ -111,7 +115,11 @@ def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh):
         names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
         shape = tuple(var.shape) if hasattr(var, "shape") else ()
         spec = _fit(tuple(names), shape, mesh) if names else P()
-        return var.replace(NamedSharding(mesh, spec)) if hasattr(var, "replace") else NamedSharding(mesh, spec)
+        return (
+            var.replace(NamedSharding(mesh, spec))
+            if hasattr(var, "replace")
+            else NamedSharding(mesh, spec)
+        )
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

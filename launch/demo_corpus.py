@@ -164,9 +164,7 @@ def build_conversations(functions: list[dict], seed: int) -> list[dict]:
             turns.append({"role": "assistant", "content": f["doc"]})
         else:
             kind = "write"
-            turns.append(
-                {"role": "user", "content": rng.choice(WRITE_TEMPLATES).format(**f)}
-            )
+            turns.append({"role": "user", "content": rng.choice(WRITE_TEMPLATES).format(**f)})
             turns.append(
                 {"role": "assistant", "content": rng.choice(ANSWER_PREFIXES) + _fence(f["code"])}
             )
@@ -177,8 +175,10 @@ def build_conversations(functions: list[dict], seed: int) -> list[dict]:
                     {"role": "user", "content": rng.choice(FOLLOWUP_TEMPLATES).format(**g)}
                 )
                 turns.append(
-                    {"role": "assistant",
-                     "content": rng.choice(ANSWER_PREFIXES) + _fence(g["code"])}
+                    {
+                        "role": "assistant",
+                        "content": rng.choice(ANSWER_PREFIXES) + _fence(g["code"]),
+                    }
                 )
         convs.append({"id": f"{f['module']}:{f['qual']}:{i}", "kind": kind, "conversations": turns})
     rng.shuffle(convs)
@@ -194,8 +194,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="configs/demo", help="output folder")
-    ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"],
-                    help="standard library folder to read (default: this interpreter's)")
+    ap.add_argument(
+        "--stdlib",
+        default=sysconfig.get_paths()["stdlib"],
+        help="standard library folder to read (default: this interpreter's)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout-fraction", type=float, default=0.05)
     args = ap.parse_args(argv)
@@ -230,8 +233,10 @@ def main(argv: list[str] | None = None) -> None:
         "files": manifest_files,
     }
     (out / "corpus_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"{len(functions)} functions -> {len(train)} train + {len(held)} held-out "
-          f"conversations in {out}")
+    print(
+        f"{len(functions)} functions -> {len(train)} train + {len(held)} held-out "
+        f"conversations in {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -68,13 +68,18 @@ class Summary:
     seconds: float = 0.0
 
     def report(self) -> str:
-        s = (f"{self.written} written, {self.skipped_valid} already present and valid, "
-             f"{self.invalid_existing} invalid existing file(s) regenerated, "
-             f"{len(self.failed)} failed, of {self.planned} planned ({self.seconds:.1f}s)")
+        s = (
+            f"{self.written} written, {self.skipped_valid} already present and valid, "
+            f"{self.invalid_existing} invalid existing file(s) regenerated, "
+            f"{len(self.failed)} failed, of {self.planned} planned ({self.seconds:.1f}s)"
+        )
         if self.failed:
             shown = sorted(self.failed)[:20]
-            s += "\nfailed samples: " + ", ".join(map(str, shown)) + (
-                ", ..." if len(self.failed) > len(shown) else "")
+            s += (
+                "\nfailed samples: "
+                + ", ".join(map(str, shown))
+                + (", ..." if len(self.failed) > len(shown) else "")
+            )
             s += "\nfirst failure: " + self.failed[shown[0]]
         return s
 
@@ -99,8 +104,11 @@ class Rows:
         self.ds = load_from_disk(str(path)).with_format(None)
         if "input_ids" not in self.ds.column_names:
             raise ValueError(f"{path}: not a prepared dataset (no input_ids column)")
-        self.lengths = (list(self.ds["seq_len"]) if "seq_len" in self.ds.column_names
-                        else [len(x) for x in self.ds["input_ids"]])
+        self.lengths = (
+            list(self.ds["seq_len"])
+            if "seq_len" in self.ds.column_names
+            else [len(x) for x in self.ds["input_ids"]]
+        )
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -109,8 +117,16 @@ class Rows:
         return list(self.ds[int(i)]["input_ids"])
 
 
-def plan(rows: Rows, out_dir: Path, indices: Sequence[int], *, num_slots: int, hidden_size: int,
-         dtype: str | None, summary: Summary) -> list[int]:
+def plan(
+    rows: Rows,
+    out_dir: Path,
+    indices: Sequence[int],
+    *,
+    num_slots: int,
+    hidden_size: int,
+    dtype: str | None,
+    summary: Summary,
+) -> list[int]:
     """Indices still to extract; valid existing files are skipped, invalid ones removed."""
     removed = remove_partials(out_dir)
     if removed:
@@ -120,8 +136,13 @@ def plan(rows: Rows, out_dir: Path, indices: Sequence[int], *, num_slots: int, h
     for i in indices:
         if i in present:
             try:
-                quick_check(hs_path(out_dir, i), rows.ids(i), num_slots=num_slots,
-                            hidden_size=hidden_size, dtype=dtype)
+                quick_check(
+                    hs_path(out_dir, i),
+                    rows.ids(i),
+                    num_slots=num_slots,
+                    hidden_size=hidden_size,
+                    dtype=dtype,
+                )
                 summary.skipped_valid += 1
                 continue
             except HiddenStatesError as e:
@@ -144,8 +165,9 @@ def _progress(total: int, desc: str):
 # --------------------------------------------------------------------------------------
 
 
-def make_batches(indices: Sequence[int], lengths: Sequence[int], batch_size: int,
-                 max_tokens: int) -> list[list[int]]:
+def make_batches(
+    indices: Sequence[int], lengths: Sequence[int], batch_size: int, max_tokens: int
+) -> list[list[int]]:
     """Longest rows first; a batch holds at most ``batch_size`` rows and
     ``max_tokens`` padded tokens (a single longer row goes alone)."""
     order = sorted(indices, key=lambda i: (-lengths[i], i))
@@ -168,16 +190,37 @@ def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Sum
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    ex = HFExtractor(args.model, args.target_layer_ids, include_last_layer=args.include_last_layer,
-                     dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
-    write_or_check_config(out_dir, {
-        "layer_ids": ex.layer_ids, "num_hidden_layers": ex.num_hidden_layers,
-        "hidden_size": ex.hidden_size, "dtype": ex.dtype_name, "model": args.model,
-        "backend": "hf"})
-    todo = plan(rows, out_dir, indices, num_slots=len(ex.layer_ids), hidden_size=ex.hidden_size,
-                dtype=ex.dtype_name, summary=summary)
-    log.info("hf backend: %s, layers %s, %d rows to extract", ex.dtype_name, ex.layer_ids,
-             len(todo))
+    ex = HFExtractor(
+        args.model,
+        args.target_layer_ids,
+        include_last_layer=args.include_last_layer,
+        dtype=args.dtype,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+    )
+    write_or_check_config(
+        out_dir,
+        {
+            "layer_ids": ex.layer_ids,
+            "num_hidden_layers": ex.num_hidden_layers,
+            "hidden_size": ex.hidden_size,
+            "dtype": ex.dtype_name,
+            "model": args.model,
+            "backend": "hf",
+        },
+    )
+    todo = plan(
+        rows,
+        out_dir,
+        indices,
+        num_slots=len(ex.layer_ids),
+        hidden_size=ex.hidden_size,
+        dtype=ex.dtype_name,
+        summary=summary,
+    )
+    log.info(
+        "hf backend: %s, layers %s, %d rows to extract", ex.dtype_name, ex.layer_ids, len(todo)
+    )
     with _progress(len(todo), "extract (hf)") as bar:
         for batch in make_batches(todo, rows.lengths, args.batch_size, args.max_tokens_per_batch):
             token_rows = [rows.ids(i) for i in batch]
@@ -202,12 +245,18 @@ def _config_geometry(model: str, trust_remote_code: bool) -> tuple[int, int, str
     return int(cfg.num_hidden_layers), int(cfg.hidden_size), dt
 
 
-_VLLM_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
-                "float": "float32", "float32": "float32"}
+_VLLM_DTYPES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 
 
-def expected_vllm_dtype(ours: str, vllm_args: Sequence[str],
-                        config_dtype: str | None) -> str | None:
+def expected_vllm_dtype(
+    ours: str, vllm_args: Sequence[str], config_dtype: str | None
+) -> str | None:
     """The dtype the server's files will have: ours (``--dtype``), else vLLM's
     ``--dtype`` after ``--``, else the model config's."""
     from launch.vllm_backend import option_value
@@ -230,16 +279,36 @@ def run_vllm(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: S
     staging = Path(args.hidden_states_path or out_dir / ".staging").resolve()
     served = args.served_model_name or vb.option_value(args.vllm_args, "--served-model-name")
 
-    write_or_check_config(out_dir, {
-        "layer_ids": layer_ids, "num_hidden_layers": n_layers, "hidden_size": hidden,
-        "dtype": "float8_e4m3fn" if fp8 else dtype, "model": args.model, "backend": "vllm"})
-    todo = plan(rows, out_dir, indices, num_slots=len(layer_ids), hidden_size=hidden,
-                dtype=dtype, summary=summary)
+    write_or_check_config(
+        out_dir,
+        {
+            "layer_ids": layer_ids,
+            "num_hidden_layers": n_layers,
+            "hidden_size": hidden,
+            "dtype": "float8_e4m3fn" if fp8 else dtype,
+            "model": args.model,
+            "backend": "vllm",
+        },
+    )
+    todo = plan(
+        rows,
+        out_dir,
+        indices,
+        num_slots=len(layer_ids),
+        hidden_size=hidden,
+        dtype=dtype,
+        summary=summary,
+    )
     if not todo:
         return
 
-    cmd = vb.serve_command(args.model, layer_ids, vb.file_kv_transfer_config(staging, fp8=fp8),
-                           args.vllm_args, python=args.vllm_python)
+    cmd = vb.serve_command(
+        args.model,
+        layer_ids,
+        vb.file_kv_transfer_config(staging, fp8=fp8),
+        args.vllm_args,
+        python=args.vllm_python,
+    )
     if args.endpoint:
         endpoint = args.endpoint.rstrip("/")
         server = None
@@ -247,17 +316,31 @@ def run_vllm(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: S
         port = vb.option_value(args.vllm_args, "--port") or "8000"
         endpoint = f"http://127.0.0.1:{port}/v1"
         staging.mkdir(parents=True, exist_ok=True)
-        server = vb.VllmServer(cmd, endpoint.removesuffix("/v1"), out_dir / "vllm_server.log",
-                               health_timeout=args.health_timeout)
-    client = vb.VllmClient(endpoint, served or args.model, request_timeout=args.request_timeout,
-                           max_retries=args.max_retries, retry_backoff=args.retry_backoff,
-                           validation_retries=args.generation_validation_retries,
-                           lock_timeout=args.lock_timeout)
+        server = vb.VllmServer(
+            cmd,
+            endpoint.removesuffix("/v1"),
+            out_dir / "vllm_server.log",
+            health_timeout=args.health_timeout,
+        )
+    client = vb.VllmClient(
+        endpoint,
+        served or args.model,
+        request_timeout=args.request_timeout,
+        max_retries=args.max_retries,
+        retry_backoff=args.retry_backoff,
+        validation_retries=args.generation_validation_retries,
+        lock_timeout=args.lock_timeout,
+    )
 
     def go():
         client.check_model()
-        log.info("vllm backend: %s at %s, layers %s, %d rows to extract", client.model, endpoint,
-                 layer_ids, len(todo))
+        log.info(
+            "vllm backend: %s at %s, layers %s, %d rows to extract",
+            client.model,
+            endpoint,
+            layer_ids,
+            len(todo),
+        )
         _run_concurrent(client, rows, out_dir, todo, args, summary, len(layer_ids), hidden, dtype)
 
     try:
@@ -274,23 +357,41 @@ def run_vllm(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: S
                 pass
 
 
-def _run_concurrent(client, rows: Rows, out_dir: Path, todo: Sequence[int], args,
-                    summary: Summary, num_slots: int, hidden: int, dtype: str | None) -> None:
+def _run_concurrent(
+    client,
+    rows: Rows,
+    out_dir: Path,
+    todo: Sequence[int],
+    args,
+    summary: Summary,
+    num_slots: int,
+    hidden: int,
+    dtype: str | None,
+) -> None:
     from launch.vllm_backend import SampleError
 
     max_consecutive = args.max_consecutive_errors or args.concurrency
     consecutive = 0
     pending: dict[cf.Future, int] = {}
     it = iter(todo)
-    with cf.ThreadPoolExecutor(max_workers=args.concurrency) as pool, \
-            _progress(len(todo), "extract (vllm)") as bar:
+    with (
+        cf.ThreadPoolExecutor(max_workers=args.concurrency) as pool,
+        _progress(len(todo), "extract (vllm)") as bar,
+    ):
 
         def submit_next() -> bool:
             i = next(it, None)
             if i is None:
                 return False
-            fut = pool.submit(client.fetch, i, rows.ids(i), out_dir, num_slots=num_slots,
-                              hidden_size=hidden, dtype=dtype)
+            fut = pool.submit(
+                client.fetch,
+                i,
+                rows.ids(i),
+                out_dir,
+                num_slots=num_slots,
+                hidden_size=hidden,
+                dtype=dtype,
+            )
             pending[fut] = i
             return True
 
@@ -315,7 +416,8 @@ def _run_concurrent(client, rows: Rows, out_dir: Path, todo: Sequence[int], args
                         if consecutive >= max_consecutive:
                             raise RuntimeError(
                                 f"aborting: {consecutive} consecutive samples failed (is the "
-                                f"server reachable?); last: {e}") from e
+                                f"server reachable?); last: {e}"
+                            ) from e
                     bar.update(1)
                     submit_next()
         finally:
@@ -337,60 +439,115 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Extract verifier hidden states (hs_{i}.safetensors) for a prepared dataset.",
         usage="extract_hidden_states.py --model MODEL --preprocessed-data DIR [options] "
-              "[-- VLLM_SERVE_ARGS]")
+        "[-- VLLM_SERVE_ARGS]",
+    )
     ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--model", required=True, help="verifier: HF id or local folder")
-    ap.add_argument("--preprocessed-data", "--data-path", dest="preprocessed_data", required=True,
-                    help="prepared dataset folder (launch.prepare_data output)")
-    ap.add_argument("--output", default=None,
-                    help="folder for hs_{i}.safetensors "
-                         "(default: <preprocessed-data>/hidden_states)")
-    ap.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                    help="aux layer ids, without the final layer (appended); default "
-                         "[2, N//2, N-3]")
+    ap.add_argument(
+        "--preprocessed-data",
+        "--data-path",
+        dest="preprocessed_data",
+        required=True,
+        help="prepared dataset folder (launch.prepare_data output)",
+    )
+    ap.add_argument(
+        "--output",
+        default=None,
+        help="folder for hs_{i}.safetensors (default: <preprocessed-data>/hidden_states)",
+    )
+    ap.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="aux layer ids, without the final layer (appended); default [2, N//2, N-3]",
+    )
     ap.add_argument("--include-last-layer", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--max-samples", type=int, default=None)
     ap.add_argument("--world-size", type=int, default=1, help="number of extraction nodes")
     ap.add_argument("--rank", type=int, default=0, help="this node's index in [0, world-size)")
     ap.add_argument("--trust-remote-code", action="store_true")
-    ap.add_argument("--dtype", default="auto",
-                    help="hf: model dtype (auto = the config's); vllm: expected file dtype")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="hf: model dtype (auto = the config's); vllm: expected file dtype",
+    )
     g = ap.add_argument_group("hf backend")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
     g.add_argument("--batch-size", type=int, default=8, help="rows per forward")
-    g.add_argument("--max-tokens-per-batch", type=int, default=16384,
-                   help="padded tokens per forward")
+    g.add_argument(
+        "--max-tokens-per-batch", type=int, default=16384, help="padded tokens per forward"
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g = ap.add_argument_group("vllm backend")
-    g.add_argument("--endpoint", default=None,
-                   help="use a running server (e.g. http://host:8000/v1) instead of launching one")
-    g.add_argument("--served-model-name", default=None,
-                   help="model id the server reports (default: --served-model-name in the vLLM "
-                        "args, else --model)")
-    g.add_argument("--hidden-states-backend", choices=["file", "fp8"], default="file",
-                   help="KV connector writing the files (fp8: hs_connectors' FP8 connector)")
-    g.add_argument("--hidden-states-path", default=None,
-                   help="connector staging folder, visible to server and client "
-                        "(default: <output>/.staging)")
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        help="use a running server (e.g. http://host:8000/v1) instead of launching one",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id the server reports (default: --served-model-name in the vLLM "
+        "args, else --model)",
+    )
+    g.add_argument(
+        "--hidden-states-backend",
+        choices=["file", "fp8"],
+        default="file",
+        help="KV connector writing the files (fp8: hs_connectors' FP8 connector)",
+    )
+    g.add_argument(
+        "--hidden-states-path",
+        default=None,
+        help="connector staging folder, visible to server and client (default: <output>/.staging)",
+    )
     g.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     g.add_argument("--request-timeout", type=float, default=120.0)
-    g.add_argument("--max-retries", type=int, default=3,
-                   help="retries of a request on connection errors, timeouts, HTTP 408/429/5xx")
-    g.add_argument("--retry-backoff", type=float, default=2.0,
-                   help="first retry wait in seconds, doubled each retry")
-    g.add_argument("--generation-validation-retries", type=int, default=2,
-                   help="repeats of a whole round trip whose answer or file is invalid")
-    g.add_argument("--lock-timeout", type=float, default=60.0,
-                   help="seconds to wait for the connector's .lock")
-    g.add_argument("--max-consecutive-errors", type=int, default=None,
-                   help="abort after this many failed samples in a row (default: --concurrency)")
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        default=3,
+        help="retries of a request on connection errors, timeouts, HTTP 408/429/5xx",
+    )
+    g.add_argument(
+        "--retry-backoff",
+        type=float,
+        default=2.0,
+        help="first retry wait in seconds, doubled each retry",
+    )
+    g.add_argument(
+        "--generation-validation-retries",
+        type=int,
+        default=2,
+        help="repeats of a whole round trip whose answer or file is invalid",
+    )
+    g.add_argument(
+        "--lock-timeout", type=float, default=60.0, help="seconds to wait for the connector's .lock"
+    )
+    g.add_argument(
+        "--max-consecutive-errors",
+        type=int,
+        default=None,
+        help="abort after this many failed samples in a row (default: --concurrency)",
+    )
     g.add_argument("--fail-on-error", action="store_true", help="abort at the first failed sample")
-    g.add_argument("--validate-outputs", action="store_true",
-                   help="accepted for speculators compatibility; files are always validated")
-    g.add_argument("--health-timeout", type=float, default=1800.0,
-                   help="seconds to wait for a launched server's /health")
-    g.add_argument("--vllm-python", default=sys.executable,
-                   help="python of the vLLM environment used to launch the server")
+    g.add_argument(
+        "--validate-outputs",
+        action="store_true",
+        help="accepted for speculators compatibility; files are always validated",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds to wait for a launched server's /health",
+    )
+    g.add_argument(
+        "--vllm-python",
+        default=sys.executable,
+        help="python of the vLLM environment used to launch the server",
+    )
     g.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     args = ap.parse_args(argv)
     args.vllm_args = vllm_args
@@ -426,9 +583,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids = resolve_layer_ids(args.target_layer_ids, n_layers, args.include_last_layer)
         out_dir = Path(args.output or Path(args.preprocessed_data) / "hidden_states")
         staging = Path(args.hidden_states_path or out_dir / ".staging").resolve()
-        cmd = vb.serve_command(args.model, ids, vb.file_kv_transfer_config(
-            staging, fp8=args.hidden_states_backend == "fp8"), args.vllm_args,
-            python=args.vllm_python)
+        cmd = vb.serve_command(
+            args.model,
+            ids,
+            vb.file_kv_transfer_config(staging, fp8=args.hidden_states_backend == "fp8"),
+            args.vllm_args,
+            python=args.vllm_python,
+        )
         print(shlex.join(cmd))
         return 0
     try:

@@ -52,23 +52,29 @@ class HFExtractor:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = _text_config(
-            AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
+            AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        )
         self.num_hidden_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
-        self.layer_ids = resolve_layer_ids(target_layer_ids, self.num_hidden_layers,
-                                           include_last_layer)
+        self.layer_ids = resolve_layer_ids(
+            target_layer_ids, self.num_hidden_layers, include_last_layer
+        )
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype),
-                  "trust_remote_code": trust_remote_code}
+        kwargs = {
+            "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
+            "trust_remote_code": trust_remote_code,
+        }
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device).eval()
         self.device = torch.device(device)
         self.layers = decoder_layers(self.model)
         if len(self.layers) != self.num_hidden_layers:
-            raise ValueError(f"{model}: config says {self.num_hidden_layers} layers, the model "
-                             f"has {len(self.layers)}")
+            raise ValueError(
+                f"{model}: config says {self.num_hidden_layers} layers, the model "
+                f"has {len(self.layers)}"
+            )
         self.decoder = self.model.get_decoder()
         self.dtype = next(self.model.parameters()).dtype
         self.model_name = model
@@ -81,12 +87,16 @@ class HFExtractor:
         handles = []
         for k in set(self.layer_ids):
             if k == 0:
+
                 def pre(_mod, args, kwargs, k=k):
                     store[k] = args[0] if args else kwargs["hidden_states"]
+
                 handles.append(self.layers[0].register_forward_pre_hook(pre, with_kwargs=True))
             else:
+
                 def post(_mod, _args, output, k=k):
                     store[k] = output[0] if isinstance(output, (tuple, list)) else output
+
                 handles.append(self.layers[k - 1].register_forward_hook(post))
         return handles
 
@@ -117,4 +127,4 @@ class HFExtractor:
                 h.remove()
         stacked = torch.stack([store[k] for k in self.layer_ids], dim=2)  # [B, T, n, H]
         stacked = stacked.to("cpu")
-        return [stacked[b, : n].clone() for b, n in enumerate(lengths)]
+        return [stacked[b, :n].clone() for b, n in enumerate(lengths)]

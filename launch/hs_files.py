@@ -51,8 +51,14 @@ _DTYPES = {
     "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
 }
 # safetensors header dtype codes
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn",
-              "I64": "int64", "I32": "int32"}
+_ST_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F8_E4M3": "float8_e4m3fn",
+    "I64": "int64",
+    "I32": "int32",
+}
 
 
 class HiddenStatesError(ValueError):
@@ -70,8 +76,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     dt = _DTYPES.get(name)
     if dt is None:
-        raise ValueError(f"unsupported hidden-state dtype {name!r}; "
-                         f"expected one of {list(_DTYPES)}")
+        raise ValueError(
+            f"unsupported hidden-state dtype {name!r}; expected one of {list(_DTYPES)}"
+        )
     return dt
 
 
@@ -133,40 +140,51 @@ def check_payload(
     """Raise :class:`HiddenStatesError` naming ``where`` and the field at fault."""
     missing = {HIDDEN_STATES_KEY, TOKEN_IDS_KEY} - tensors.keys()
     if missing:
-        raise HiddenStatesError(f"{where}: missing tensor(s) {sorted(missing)}; "
-                                f"found {sorted(tensors)}")
+        raise HiddenStatesError(
+            f"{where}: missing tensor(s) {sorted(missing)}; found {sorted(tensors)}"
+        )
     hs, tok = tensors[HIDDEN_STATES_KEY], tensors[TOKEN_IDS_KEY]
     if tok.dtype != torch.long or tok.ndim != 1:
-        raise HiddenStatesError(f"{where}: token_ids must be int64 [T], got {tok.dtype} "
-                                f"{list(tok.shape)}")
+        raise HiddenStatesError(
+            f"{where}: token_ids must be int64 [T], got {tok.dtype} {list(tok.shape)}"
+        )
     if hs.ndim != 3:
-        raise HiddenStatesError(f"{where}: hidden_states must be [T, n_aux+1, H], got "
-                                f"{list(hs.shape)}")
+        raise HiddenStatesError(
+            f"{where}: hidden_states must be [T, n_aux+1, H], got {list(hs.shape)}"
+        )
     if expected_tokens is not None:
         got = tok.tolist()
         if got != list(expected_tokens):
-            first = next((k for k, (a, b) in enumerate(zip(got, expected_tokens)) if a != b),
-                         min(len(got), len(expected_tokens)))
+            first = next(
+                (k for k, (a, b) in enumerate(zip(got, expected_tokens)) if a != b),
+                min(len(got), len(expected_tokens)),
+            )
             raise HiddenStatesError(
                 f"{where}: token_ids do not match the row's input_ids (lengths {len(got)} vs "
-                f"{len(expected_tokens)}, first difference at position {first})")
+                f"{len(expected_tokens)}, first difference at position {first})"
+            )
     if hs.shape[0] != tok.shape[0]:
-        raise HiddenStatesError(f"{where}: hidden_states has {hs.shape[0]} positions but "
-                                f"token_ids has {tok.shape[0]}")
+        raise HiddenStatesError(
+            f"{where}: hidden_states has {hs.shape[0]} positions but token_ids has {tok.shape[0]}"
+        )
     if num_slots is not None and hs.shape[1] != num_slots:
-        raise HiddenStatesError(f"{where}: hidden_states has {hs.shape[1]} layer slots, "
-                                f"expected {num_slots} (n_aux + 1)")
+        raise HiddenStatesError(
+            f"{where}: hidden_states has {hs.shape[1]} layer slots, "
+            f"expected {num_slots} (n_aux + 1)"
+        )
     if hidden_size is not None and hs.shape[2] != hidden_size:
         raise HiddenStatesError(f"{where}: hidden size {hs.shape[2]}, expected {hidden_size}")
     is_fp8 = SCALES_KEY in tensors
     if dtype is not None and not is_fp8 and dtype_name(hs.dtype) != dtype:
-        raise HiddenStatesError(f"{where}: hidden_states dtype {dtype_name(hs.dtype)}, "
-                                f"expected {dtype}")
+        raise HiddenStatesError(
+            f"{where}: hidden_states dtype {dtype_name(hs.dtype)}, expected {dtype}"
+        )
     if is_fp8:
         sc = tensors[SCALES_KEY]
         if list(sc.shape) != [hs.shape[0], 1, 1]:
-            raise HiddenStatesError(f"{where}: {SCALES_KEY} must be [T, 1, 1], got "
-                                    f"{list(sc.shape)}")
+            raise HiddenStatesError(
+                f"{where}: {SCALES_KEY} must be [T, 1, 1], got {list(sc.shape)}"
+            )
     if check_finite and hs.numel():
         values = hs.float() if not is_fp8 else hs.float() * tensors[SCALES_KEY].float()
         if not bool(torch.isfinite(values).all()):
@@ -190,8 +208,14 @@ def load_and_check(
         raise
     except Exception as e:  # safetensors raises its own error types
         raise HiddenStatesError(f"{path}: unreadable safetensors file ({e})") from e
-    check_payload(tensors, expected_tokens, num_slots=num_slots, hidden_size=hidden_size,
-                  dtype=dtype, where=str(path))
+    check_payload(
+        tensors,
+        expected_tokens,
+        num_slots=num_slots,
+        hidden_size=hidden_size,
+        dtype=dtype,
+        where=str(path),
+    )
     return tensors
 
 
@@ -265,7 +289,8 @@ def write_or_check_config(directory: str | Path, config: dict) -> None:
             details = ", ".join(f"{k}: recorded {a} vs requested {b}" for k, (a, b) in diff.items())
             raise HiddenStatesError(
                 f"{path}: the folder already holds hidden states extracted with other settings "
-                f"({details}). Use another --output folder or remove the old files.")
+                f"({details}). Use another --output folder or remove the old files."
+            )
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{CONFIG_NAME}.partial-{os.getpid()}"
     tmp.write_text(json.dumps(config, indent=1) + "\n")
@@ -289,9 +314,11 @@ def resolve_layer_ids(
     ids = list(target_layer_ids) if explicit else [2, n // 2, n - 3]
     if not ids or min(ids) < 0 or max(ids) > n or len(set(ids)) != len(ids):
         what = "--target-layer-ids" if explicit else "the default target layer ids"
-        raise ValueError(f"{what} {ids} must be distinct and within [0, {n}] for a verifier "
-                         f"with {n} decoder layers" + ("" if explicit else
-                                                       "; pass --target-layer-ids explicitly"))
+        raise ValueError(
+            f"{what} {ids} must be distinct and within [0, {n}] for a verifier "
+            f"with {n} decoder layers"
+            + ("" if explicit else "; pass --target-layer-ids explicitly")
+        )
     if include_last_layer and n not in ids:
         ids.append(n)
     return ids

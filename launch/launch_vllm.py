@@ -37,8 +37,11 @@ class _FileBackend:
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--hidden-states-path", default="/tmp/hidden_states",  # noqa: S108
-                            help="folder the connector writes to (default /tmp/hidden_states)")
+        parser.add_argument(
+            "--hidden-states-path",
+            default="/tmp/hidden_states",  # noqa: S108
+            help="folder the connector writes to (default /tmp/hidden_states)",
+        )
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict:
@@ -61,18 +64,30 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description="Launch vLLM for hidden states extraction",
         usage="launch_vllm.py MODEL [--hidden-states-backend BACKEND] "
-              "[--target-layer-ids IDS [IDS ...]] -- *VLLM_ARGS")
+        "[--target-layer-ids IDS [IDS ...]] -- *VLLM_ARGS",
+    )
     ap.add_argument("model", help="model name or path")
     ap.add_argument("--hidden-states-backend", choices=list(registry), default="file")
     for cls in registry.values():
         cls.add_launch_args(ap)
-    ap.add_argument("--target-layer-ids", type=int, nargs="+",
-                    help="aux layer ids (default [2, N//2, N-3]); pass the same to the trainer")
-    ap.add_argument("--include-last-layer", action=argparse.BooleanOptionalAction, default=True,
-                    help="append the last layer N (default: yes)")
+    ap.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        help="aux layer ids (default [2, N//2, N-3]); pass the same to the trainer",
+    )
+    ap.add_argument(
+        "--include-last-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="append the last layer N (default: yes)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-    ap.add_argument("--trust-remote-code", action="store_true",
-                    help="for reading the model config (pass it after -- for vLLM too)")
+    ap.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="for reading the model config (pass it after -- for vLLM too)",
+    )
     args, vllm_args = ap.parse_known_args(argv)
     if "--" in vllm_args:
         vllm_args.remove("--")
@@ -86,11 +101,15 @@ def build(argv=None) -> tuple[list[str], bool]:
 
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     config = getattr(config, "text_config", None) or config
-    layer_ids = resolve_layer_ids(args.target_layer_ids, int(config.num_hidden_layers),
-                                  args.include_last_layer)
+    layer_ids = resolve_layer_ids(
+        args.target_layer_ids, int(config.num_hidden_layers), args.include_last_layer
+    )
     if args.target_layer_ids:
-        warnings.warn(f"Using custom target layer ids {layer_ids}; pass the same "
-                      "--target-layer-ids to the trainer.", stacklevel=2)
+        warnings.warn(
+            f"Using custom target layer ids {layer_ids}; pass the same "
+            "--target-layer-ids to the trainer.",
+            stacklevel=2,
+        )
     kv = registry[args.hidden_states_backend].build_kv_transfer_config(args)
     return serve_command(args.model, layer_ids, kv, vllm_args), args.dry_run
 

@@ -132,9 +132,14 @@ def boundary_rows(
             if full_ids[: len(hist_ids)] != hist_ids or boundary < len(hist_ids):
                 raise BoundaryUnstableError(
                     f"prompt and full renders diverge inside history at assistant turn {j}; "
-                    "cannot derive a boundary loss mask")
-        rows.append({"input_ids": list(full_ids),
-                     "loss_mask": [0] * boundary + [1] * (len(full_ids) - boundary)})
+                    "cannot derive a boundary loss mask"
+                )
+        rows.append(
+            {
+                "input_ids": list(full_ids),
+                "loss_mask": [0] * boundary + [1] * (len(full_ids) - boundary),
+            }
+        )
     return rows
 
 
@@ -165,8 +170,9 @@ def _parse_tools(tools, idx: int) -> list | None:
         except json.JSONDecodeError as e:
             log.warning("Invalid JSON in tools column for conversation %d: %s; no tools", idx, e)
             return None
-    log.warning("Non-string tools value for conversation %d (%s); no tools", idx,
-                type(tools).__name__)
+    log.warning(
+        "Non-string tools value for conversation %d (%s); no tools", idx, type(tools).__name__
+    )
     return None
 
 
@@ -182,8 +188,13 @@ class LocalRenderer:
     """Render with the tokenizer's chat template, tokenised as vLLM does
     (template -> text -> ``encode(add_special_tokens=False)``), cut on the right."""
 
-    def __init__(self, model: str, max_length: int, trust_remote_code: bool = False,
-                 chat_template_kwargs: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        max_length: int,
+        trust_remote_code: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ):
         self.model, self.max_length = model, max_length
         self.trust_remote_code = trust_remote_code
         self.chat_template_kwargs = chat_template_kwargs or {}
@@ -197,11 +208,14 @@ class LocalRenderer:
                 from transformers import AutoTokenizer
 
                 _TOKENIZERS[key] = AutoTokenizer.from_pretrained(
-                    self.model, trust_remote_code=self.trust_remote_code)
+                    self.model, trust_remote_code=self.trust_remote_code
+                )
             self._tok = _TOKENIZERS[key]
             if getattr(self._tok, "chat_template", None) is None:
-                raise ValueError(f"the tokenizer of {self.model} has no chat template; pass "
-                                 "pre-tokenised rows (input_ids + loss_mask) or --render-endpoint")
+                raise ValueError(
+                    f"the tokenizer of {self.model} has no chat template; pass "
+                    "pre-tokenised rows (input_ids + loss_mask) or --render-endpoint"
+                )
         return self._tok
 
     def __getstate__(self):  # workers reload the tokenizer themselves
@@ -209,8 +223,12 @@ class LocalRenderer:
 
     def __call__(self, messages, add_generation_prompt, tools=None) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-            **self.chat_template_kwargs)
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.chat_template_kwargs,
+        )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return list(ids[: self.max_length])
 
@@ -220,8 +238,14 @@ class EndpointRenderer:
     (the reference's path), with its retry rules: 408/429/5xx and connection
     errors are retried with exponential backoff, other 4xx are not."""
 
-    def __init__(self, endpoint: str, max_length: int, timeout: float = 30.0,
-                 max_retries: int = 3, backoff: float = 2.0):
+    def __init__(
+        self,
+        endpoint: str,
+        max_length: int,
+        timeout: float = 30.0,
+        max_retries: int = 3,
+        backoff: float = 2.0,
+    ):
         self.url = endpoint.rstrip("/") + "/v1/chat/completions/render"
         self.max_length, self.timeout = max_length, timeout
         self.max_retries, self.backoff = max_retries, backoff
@@ -229,20 +253,26 @@ class EndpointRenderer:
     def __call__(self, messages, add_generation_prompt, tools=None) -> list[int]:
         from dspark_jax.data.online.http import HTTPStatusError, post_json, retry
 
-        body = {"messages": messages, "add_generation_prompt": add_generation_prompt,
-                "truncate_prompt_tokens": self.max_length, "truncation_side": "right"}
+        body = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "truncate_prompt_tokens": self.max_length,
+            "truncation_side": "right",
+        }
         if tools is not None:
             body["tools"] = tools
 
         def once():
             data = post_json(self.url, body, timeout=self.timeout)
             if "token_ids" not in data:
-                raise HTTPStatusError(200, f"render response missing 'token_ids': {data}",
-                                      retriable=True)
+                raise HTTPStatusError(
+                    200, f"render response missing 'token_ids': {data}", retriable=True
+                )
             return list(data["token_ids"])
 
-        return retry(once, max_retries=self.max_retries, backoff=self.backoff,
-                     describe=f"POST {self.url}")
+        return retry(
+            once, max_retries=self.max_retries, backoff=self.backoff, describe=f"POST {self.url}"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -263,16 +293,23 @@ def load_raw_rows(path: str):
         ds = load_dataset("json", data_files=files, split="train")
     elif path.startswith("hf:"):
         parts = path.removeprefix("hf:").split(":")
-        name, subset, split = parts[0], (parts[1] if len(parts) == 3 else None), (
-            parts[-1] if len(parts) > 1 else "train")
+        name, subset, split = (
+            parts[0],
+            (parts[1] if len(parts) == 3 else None),
+            (parts[-1] if len(parts) > 1 else "train"),
+        )
         ds = load_dataset(name, name=subset, split=split)
     else:
-        raise ValueError(f"Unsupported --data {path!r}: a .json/.jsonl file, a folder of them, "
-                         "or hf:<dataset>[:<subset>]:<split>")
+        raise ValueError(
+            f"Unsupported --data {path!r}: a .json/.jsonl file, a folder of them, "
+            "or hf:<dataset>[:<subset>]:<split>"
+        )
     cols = set(ds.column_names)
     if not cols & {"conversations", "messages"} and not {"input_ids", "loss_mask"} <= cols:
-        raise ValueError(f"{path}: expected a 'conversations' (or 'messages') column or "
-                         f"'input_ids' + 'loss_mask', found {sorted(cols)}")
+        raise ValueError(
+            f"{path}: expected a 'conversations' (or 'messages') column or "
+            f"'input_ids' + 'loss_mask', found {sorted(cols)}"
+        )
     return ds
 
 
@@ -286,8 +323,10 @@ def _process_chunk(args) -> tuple[list[list[int]], list[list[int]], Counter]:
         if row.get("input_ids") is not None and row.get("loss_mask") is not None:
             ids, mask = row["input_ids"], row["loss_mask"]
             if len(ids) != len(mask):
-                raise ValueError(f"pre-tokenised row {idx}: input_ids has {len(ids)} tokens but "
-                                 f"loss_mask has {len(mask)}")
+                raise ValueError(
+                    f"pre-tokenised row {idx}: input_ids has {len(ids)} tokens but "
+                    f"loss_mask has {len(mask)}"
+                )
             candidates = [{"input_ids": ids, "loss_mask": mask}]
             stats["rows_in"] += 1
         else:
@@ -297,8 +336,12 @@ def _process_chunk(args) -> tuple[list[list[int]], list[list[int]], Counter]:
                 continue
             stats["conversations_in"] += 1
             try:
-                candidates = boundary_rows(normalize_conversation(conv, warned), render,
-                                           max_length, _parse_tools(row.get("tools"), idx))
+                candidates = boundary_rows(
+                    normalize_conversation(conv, warned),
+                    render,
+                    max_length,
+                    _parse_tools(row.get("tools"), idx),
+                )
             except Exception as e:  # one bad conversation must not kill the run
                 log.error("Failed to process conversation %d: %s: %s", idx, type(e).__name__, e)
                 stats["failed_conversations"] += 1
@@ -306,8 +349,9 @@ def _process_chunk(args) -> tuple[list[list[int]], list[list[int]], Counter]:
             if not candidates:
                 stats["conversations_without_rows"] += 1
         for cand in candidates:
-            status, ids, mask = clip_and_filter(cand["input_ids"], cand["loss_mask"], max_length,
-                                                min_valid)
+            status, ids, mask = clip_and_filter(
+                cand["input_ids"], cand["loss_mask"], max_length, min_valid
+            )
             stats[status] += 1
             if status == "kept":
                 stats["maybe_truncated"] += len(cand["input_ids"]) >= max_length
@@ -316,19 +360,29 @@ def _process_chunk(args) -> tuple[list[list[int]], list[list[int]], Counter]:
     return out_ids, out_mask, stats
 
 
-def build_rows(raw, render: RenderFn | None, max_length: int, min_valid: int | None,
-               num_workers: int, chunk_size: int = 256):
+def build_rows(
+    raw,
+    render: RenderFn | None,
+    max_length: int,
+    min_valid: int | None,
+    num_workers: int,
+    chunk_size: int = 256,
+):
     """Rows of one input, in input order, as a ``datasets.Dataset``; plus stats."""
     import pyarrow as pa
     from datasets import Dataset
 
     raw = raw.with_format(None)
-    cols = [c for c in ("conversations", "messages", "tools", "input_ids", "loss_mask")
-            if c in raw.column_names]
+    cols = [
+        c
+        for c in ("conversations", "messages", "tools", "input_ids", "loss_mask")
+        if c in raw.column_names
+    ]
     pretok = {"input_ids", "loss_mask"} <= set(cols)
     if not pretok and render is None:
-        raise ValueError("conversations need a renderer (a tokenizer with a chat template or "
-                         "--render-endpoint)")
+        raise ValueError(
+            "conversations need a renderer (a tokenizer with a chat template or --render-endpoint)"
+        )
 
     def chunks() -> Iterable:
         for start in range(0, len(raw), chunk_size):
@@ -347,11 +401,15 @@ def build_rows(raw, render: RenderFn | None, max_length: int, min_valid: int | N
         ids, mask, st = res
         stats.update(st)
         if ids:
-            tables.append(pa.table({
-                "input_ids": pa.array(ids, type=pa.list_(INPUT_IDS_TYPE)),
-                "loss_mask": pa.array(mask, type=pa.list_(pa.int64())),
-                "seq_len": pa.array([len(x) for x in ids], type=pa.int64()),
-            }))
+            tables.append(
+                pa.table(
+                    {
+                        "input_ids": pa.array(ids, type=pa.list_(INPUT_IDS_TYPE)),
+                        "loss_mask": pa.array(mask, type=pa.list_(pa.int64())),
+                        "seq_len": pa.array([len(x) for x in ids], type=pa.int64()),
+                    }
+                )
+            )
 
     if num_workers > 1 and len(raw) > chunk_size:
         import multiprocessing as mp
@@ -366,9 +424,13 @@ def build_rows(raw, render: RenderFn | None, max_length: int, min_valid: int | N
     if tables:
         table = pa.concat_tables(tables)
     else:
-        table = pa.table({"input_ids": pa.array([], type=pa.list_(INPUT_IDS_TYPE)),
-                          "loss_mask": pa.array([], type=pa.list_(pa.int64())),
-                          "seq_len": pa.array([], type=pa.int64())})
+        table = pa.table(
+            {
+                "input_ids": pa.array([], type=pa.list_(INPUT_IDS_TYPE)),
+                "loss_mask": pa.array([], type=pa.list_(pa.int64())),
+                "seq_len": pa.array([], type=pa.int64()),
+            }
+        )
     return Dataset(table), stats
 
 
@@ -379,10 +441,16 @@ def token_counts(dataset, vocab_size: int | None) -> tuple[dict[int, int], "obje
     counts = np.zeros(max(vocab_size or 0, 1), dtype=np.int64)
     table = dataset.with_format("arrow")
     for batch in table.iter(batch_size=1024):
-        ids = np.asarray(batch["input_ids"].combine_chunks().flatten() if hasattr(
-            batch["input_ids"], "combine_chunks") else batch["input_ids"].flatten())
-        mask = np.asarray(batch["loss_mask"].combine_chunks().flatten() if hasattr(
-            batch["loss_mask"], "combine_chunks") else batch["loss_mask"].flatten())
+        ids = np.asarray(
+            batch["input_ids"].combine_chunks().flatten()
+            if hasattr(batch["input_ids"], "combine_chunks")
+            else batch["input_ids"].flatten()
+        )
+        mask = np.asarray(
+            batch["loss_mask"].combine_chunks().flatten()
+            if hasattr(batch["loss_mask"], "combine_chunks")
+            else batch["loss_mask"].flatten()
+        )
         sel = ids[mask.astype(bool)]
         if sel.size and sel.max() >= counts.size:
             counts = np.concatenate([counts, np.zeros(int(sel.max()) + 1 - counts.size, np.int64)])
@@ -452,8 +520,9 @@ def prepare(
             raw = raw.select(range(3 * max_samples))
         log.info("%s: %d input rows", path, len(raw))
         pretok = {"input_ids", "loss_mask"} <= set(raw.column_names)
-        part, st = build_rows(raw, None if pretok else render, seq_length, minimum_valid_tokens,
-                              num_workers)
+        part, st = build_rows(
+            raw, None if pretok else render, seq_length, minimum_valid_tokens, num_workers
+        )
         parts.append(part)
         stats.update(st)
 
@@ -463,9 +532,11 @@ def prepare(
     dataset = dataset.flatten_indices()
     stats["rows_out"] = len(dataset)
     if len(dataset) == 0 and not allow_empty_output:
-        raise ValueError("No rows remain after preprocessing. Check the data format, the "
-                         "assistant turns and --minimum-valid-tokens (pass --allow-empty-output "
-                         "if an empty dataset is intended).")
+        raise ValueError(
+            "No rows remain after preprocessing. Check the data format, the "
+            "assistant turns and --minimum-valid-tokens (pass --allow-empty-output "
+            "if an empty dataset is intended)."
+        )
     _report(stats, minimum_valid_tokens, seq_length)
 
     out = Path(output)
@@ -504,52 +575,100 @@ def _vocab_size(model: str, render, trust_remote_code: bool) -> int | None:
 
 
 def _report(stats: Counter, min_valid: int | None, seq_length: int) -> None:
-    log.info("rows kept: %d (conversations in: %d, pre-tokenised rows in: %d)",
-             stats["kept"], stats["conversations_in"], stats["rows_in"])
+    log.info(
+        "rows kept: %d (conversations in: %d, pre-tokenised rows in: %d)",
+        stats["kept"],
+        stats["conversations_in"],
+        stats["rows_in"],
+    )
     if stats["filtered"]:
-        log.info("dropped %d rows with fewer than %s supervised tokens", stats["filtered"],
-                 min_valid)
+        log.info(
+            "dropped %d rows with fewer than %s supervised tokens", stats["filtered"], min_valid
+        )
     if stats["unsupervised"]:
-        log.warning("dropped %d rows with no supervised token inside --seq-length %d",
-                    stats["unsupervised"], seq_length)
+        log.warning(
+            "dropped %d rows with no supervised token inside --seq-length %d",
+            stats["unsupervised"],
+            seq_length,
+        )
     if stats["maybe_truncated"]:
-        log.warning("%d rows reach --seq-length %d and may be truncated", stats["maybe_truncated"],
-                    seq_length)
+        log.warning(
+            "%d rows reach --seq-length %d and may be truncated",
+            stats["maybe_truncated"],
+            seq_length,
+        )
     if stats["failed_conversations"]:
-        log.warning("%d conversations failed to render and were skipped (see errors above)",
-                    stats["failed_conversations"])
+        log.warning(
+            "%d conversations failed to render and were skipped (see errors above)",
+            stats["failed_conversations"],
+        )
     if stats["conversations_without_rows"]:
-        log.warning("%d conversations produced no row (no assistant turn after context, or the "
-                    "context alone fills --seq-length)", stats["conversations_without_rows"])
+        log.warning(
+            "%d conversations produced no row (no assistant turn after context, or the "
+            "context alone fills --seq-length)",
+            stats["conversations_without_rows"],
+        )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="Prepare data for DSpark drafter training "
-                                 "(speculators prepare-data semantics)")
-    ap.add_argument("--model", required=True, help="verifier: HF id or local folder (tokenizer "
-                    "and chat template)")
+    ap = argparse.ArgumentParser(
+        description="Prepare data for DSpark drafter training (speculators prepare-data semantics)"
+    )
+    ap.add_argument(
+        "--model",
+        required=True,
+        help="verifier: HF id or local folder (tokenizer and chat template)",
+    )
     ap.add_argument("--trust-remote-code", action="store_true")
-    ap.add_argument("--data", action="append", required=True,
-                    help="JSON/JSONL file, folder of them, or hf:<id>[:<subset>]:<split> "
-                    "(repeatable)")
+    ap.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        help="JSON/JSONL file, folder of them, or hf:<id>[:<subset>]:<split> (repeatable)",
+    )
     ap.add_argument("--output", default="./output", help="output folder")
     ap.add_argument("--seq-length", type=int, default=8192)
     ap.add_argument("--max-samples", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-preprocessing-workers", type=int, default=None,
-                    help="processes rendering conversations (default min(8, CPUs))")
-    ap.add_argument("--minimum-valid-tokens", type=int, default=None,
-                    help="drop rows with fewer supervised tokens")
-    ap.add_argument("--render-endpoint", default=None,
-                    help="render through a vLLM server (base URL, no /v1) instead of locally")
-    ap.add_argument("--token-freq-path", default=None,
-                    help="where to write token_freq.pt (default: <output>/token_freq.pt)")
-    ap.add_argument("--skip-token-freq", action=argparse.BooleanOptionalAction, default=False,
-                    help="skip the supervised token counts (default: count)")
-    ap.add_argument("--draft-vocab-size", type=int, default=None,
-                    help="also write d2t-<Vd>.npy / t2d-<Vd>.npy for this draft vocab size")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="delete an existing prepared dataset in --output first")
+    ap.add_argument(
+        "--num-preprocessing-workers",
+        type=int,
+        default=None,
+        help="processes rendering conversations (default min(8, CPUs))",
+    )
+    ap.add_argument(
+        "--minimum-valid-tokens",
+        type=int,
+        default=None,
+        help="drop rows with fewer supervised tokens",
+    )
+    ap.add_argument(
+        "--render-endpoint",
+        default=None,
+        help="render through a vLLM server (base URL, no /v1) instead of locally",
+    )
+    ap.add_argument(
+        "--token-freq-path",
+        default=None,
+        help="where to write token_freq.pt (default: <output>/token_freq.pt)",
+    )
+    ap.add_argument(
+        "--skip-token-freq",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="skip the supervised token counts (default: count)",
+    )
+    ap.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="also write d2t-<Vd>.npy / t2d-<Vd>.npy for this draft vocab size",
+    )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an existing prepared dataset in --output first",
+    )
     ap.add_argument("--allow-empty-output", action="store_true")
     return ap.parse_args(argv)
 
@@ -564,20 +683,39 @@ def main(argv=None) -> int:
             return 0
         if args.overwrite:
             freq = Path(args.token_freq_path).resolve() if args.token_freq_path else None
-            unexpected = [p for p in out.iterdir() if not (
-                p.is_file() and (p.suffix == ".arrow" or p.name in OVERWRITE_ALLOWED
-                                 or p.name.startswith(("d2t-", "t2d-")) or p.resolve() == freq))]
+            unexpected = [
+                p
+                for p in out.iterdir()
+                if not (
+                    p.is_file()
+                    and (
+                        p.suffix == ".arrow"
+                        or p.name in OVERWRITE_ALLOWED
+                        or p.name.startswith(("d2t-", "t2d-"))
+                        or p.resolve() == freq
+                    )
+                )
+            ]
             if unexpected:
-                raise SystemExit(f"--overwrite would delete files that prepare_data did not write: "
-                                 f"{', '.join(map(str, unexpected))}")
+                raise SystemExit(
+                    f"--overwrite would delete files that prepare_data did not write: "
+                    f"{', '.join(map(str, unexpected))}"
+                )
             shutil.rmtree(out)
     prepare(
-        model=args.model, data=args.data, output=args.output, seq_length=args.seq_length,
-        max_samples=args.max_samples, seed=args.seed,
+        model=args.model,
+        data=args.data,
+        output=args.output,
+        seq_length=args.seq_length,
+        max_samples=args.max_samples,
+        seed=args.seed,
         num_workers=args.num_preprocessing_workers or default_workers(),
-        minimum_valid_tokens=args.minimum_valid_tokens, render_endpoint=args.render_endpoint,
-        trust_remote_code=args.trust_remote_code, allow_empty_output=args.allow_empty_output,
-        token_freq_path=args.token_freq_path, skip_token_freq=args.skip_token_freq,
+        minimum_valid_tokens=args.minimum_valid_tokens,
+        render_endpoint=args.render_endpoint,
+        trust_remote_code=args.trust_remote_code,
+        allow_empty_output=args.allow_empty_output,
+        token_freq_path=args.token_freq_path,
+        skip_token_freq=args.skip_token_freq,
         draft_vocab_size=args.draft_vocab_size,
     )
     log.info("wrote %s", out)

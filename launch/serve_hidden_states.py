@@ -83,7 +83,11 @@ MOONCAKE_FORMATS = ("packed", "per-tensor")
 class RequestError(Exception):
     """A request the server refuses; ``status`` and an OpenAI-style error type."""
 
-    TYPES: ClassVar[dict[int, str]] = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        500: "InternalServerError",
+    }
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -95,9 +99,14 @@ class RequestError(Exception):
 
 def error_payload(status: int, message: str) -> dict:
     """``{"error": {"message", "type", "param", "code"}}`` as vLLM answers errors."""
-    return {"error": {"message": message,
-                      "type": RequestError.TYPES.get(status, "Error"),
-                      "param": None, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": RequestError.TYPES.get(status, "Error"),
+            "param": None,
+            "code": status,
+        }
+    }
 
 
 def sanitize_key(key: str) -> str:
@@ -131,8 +140,9 @@ class Publisher:
 
     name = "?"
 
-    def publish(self, req_id: str, hidden_states: torch.Tensor,
-                token_ids: torch.Tensor) -> tuple[dict, Deferred | None]:
+    def publish(
+        self, req_id: str, hidden_states: torch.Tensor, token_ids: torch.Tensor
+    ) -> tuple[dict, Deferred | None]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -151,8 +161,9 @@ class FilePublisher(Publisher):
     def __init__(self, directory: str | Path, writer_threads: int = 4):
         self.directory = Path(directory).resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._pool = cf.ThreadPoolExecutor(max_workers=writer_threads,
-                                           thread_name_prefix="hs-file-writer")
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=writer_threads, thread_name_prefix="hs-file-writer"
+        )
 
     def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
         """Write the file (runs in a writer thread while the lock is held)."""
@@ -160,8 +171,7 @@ class FilePublisher(Publisher):
 
         save_file(tensors, str(path))
 
-    def _write_and_unlock(self, path: Path, tensors: dict[str, torch.Tensor],
-                          lock_fd: int) -> None:
+    def _write_and_unlock(self, path: Path, tensors: dict[str, torch.Tensor], lock_fd: int) -> None:
         try:
             self.write(path, tensors)
         except BaseException:
@@ -180,8 +190,10 @@ class FilePublisher(Publisher):
             os.close(fd)
             lock_path.unlink(missing_ok=True)
             raise
-        tensors = {"hidden_states": hidden_states.detach().to("cpu").contiguous(),
-                   "token_ids": token_ids.detach().to("cpu", torch.long).contiguous()}
+        tensors = {
+            "hidden_states": hidden_states.detach().to("cpu").contiguous(),
+            "token_ids": token_ids.detach().to("cpu", torch.long).contiguous(),
+        }
 
         def later() -> None:
             try:
@@ -209,8 +221,9 @@ class MooncakePublisher(Publisher):
         if fmt not in MOONCAKE_FORMATS:
             raise ValueError(f"--mooncake-format must be one of {MOONCAKE_FORMATS}, not {fmt!r}")
         self.mc, self.format = hidden_states, fmt
-        self._pool = cf.ThreadPoolExecutor(max_workers=writer_threads,
-                                           thread_name_prefix="hs-mooncake-writer")
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=writer_threads, thread_name_prefix="hs-mooncake-writer"
+        )
 
     def put(self, key: str, hidden_states, token_ids) -> dict:
         """Publish numpy arrays under ``key``; the kv_transfer_params."""
@@ -262,10 +275,19 @@ class HiddenStatesServer:
     (prompt -> hidden states, greedy next token), :meth:`publish`, :meth:`complete`
     (body -> status, payload)."""
 
-    def __init__(self, extractor, served_model_name: str, publisher: Publisher, *,
-                 model: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 tokenizer=None, max_model_len: int | None = None,
-                 request_timeout: float = 600.0):
+    def __init__(
+        self,
+        extractor,
+        served_model_name: str,
+        publisher: Publisher,
+        *,
+        model: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tokenizer=None,
+        max_model_len: int | None = None,
+        request_timeout: float = 600.0,
+    ):
         self.extractor = extractor
         self.served_model_name = served_model_name
         self.model = model or getattr(extractor, "model_name", None) or served_model_name
@@ -280,11 +302,13 @@ class HiddenStatesServer:
         if hf_model is not None:
             emb = hf_model.get_input_embeddings()
             self.vocab_size = int(getattr(emb, "num_embeddings", 0)) or getattr(
-                config, "vocab_size", None)
+                config, "vocab_size", None
+            )
         self._forward_lock = threading.RLock()
         self._local = threading.local()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler(request_timeout),
-                                         bind_and_activate=False)
+        self.httpd = ThreadingHTTPServer(
+            (host, port), self._handler(request_timeout), bind_and_activate=False
+        )
         # a thread per request; stop() joins those in flight (their deferred writes
         # are then queued) before waiting for the writers
         self.httpd.daemon_threads = False
@@ -309,8 +333,7 @@ class HiddenStatesServer:
             return self.extractor.extract([list(prompt)])[0]
 
     @torch.inference_mode()
-    def next_token(self, final_hidden: torch.Tensor | None,
-                   hidden_states: torch.Tensor) -> int:
+    def next_token(self, final_hidden: torch.Tensor | None, hidden_states: torch.Tensor) -> int:
         """Greedy next token from the post-norm last-position hidden state (captured
         from the decoder's output), or, when an :meth:`extract` override bypassed the
         model, from the last slot of ``hidden_states`` if that is layer N (final norm
@@ -351,8 +374,7 @@ class HiddenStatesServer:
         return hidden_states, token
 
     # ----------------------------------------------------------------- protocol
-    def publish(self, req_id: str, hidden_states: torch.Tensor,
-                token_ids: torch.Tensor) -> dict:
+    def publish(self, req_id: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> dict:
         """Hand the sample to the transport; the answer's ``kv_transfer_params``.
         Deferred work (the file write) runs after the answer is sent."""
         params, later = self.publisher.publish(req_id, hidden_states, token_ids)
@@ -371,8 +393,14 @@ class HiddenStatesServer:
         return f"cmpl-{uuid.uuid4().hex}"
 
     def models(self) -> dict:
-        entry = {"id": self.served_model_name, "object": "model", "created": int(time.time()),
-                 "owned_by": OWNED_BY, "root": self.model, "parent": None}
+        entry = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": OWNED_BY,
+            "root": self.model,
+            "parent": None,
+        }
         if self.max_model_len:
             entry["max_model_len"] = int(self.max_model_len)
         return {"object": "list", "data": [entry]}
@@ -387,22 +415,33 @@ class HiddenStatesServer:
         if body.get("stream"):
             raise RequestError(400, "stream=true is not supported by this server")
         max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (isinstance(max_tokens, bool)
-                                       or not isinstance(max_tokens, int) or max_tokens < 1):
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
             raise RequestError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         prompt = body.get("prompt")
-        if (not isinstance(prompt, list) or not prompt
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            raise RequestError(400, "prompt must be a non-empty list of token ids (one prompt "
-                                    "per request; text prompts are not supported)")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            raise RequestError(
+                400,
+                "prompt must be a non-empty list of token ids (one prompt "
+                "per request; text prompts are not supported)",
+            )
         if self.vocab_size and not all(0 <= t < self.vocab_size for t in prompt):
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
-            raise RequestError(400, f"token id {bad} is out of vocabulary range "
-                                    f"[0, {self.vocab_size})")
+            raise RequestError(
+                400, f"token id {bad} is out of vocabulary range [0, {self.vocab_size})"
+            )
         if self.max_model_len and len(prompt) > self.max_model_len:
-            raise RequestError(400, f"This model's maximum context length is "
-                                    f"{self.max_model_len} tokens. However, your prompt has "
-                                    f"{len(prompt)} tokens.")
+            raise RequestError(
+                400,
+                f"This model's maximum context length is "
+                f"{self.max_model_len} tokens. However, your prompt has "
+                f"{len(prompt)} tokens.",
+            )
         return prompt
 
     def complete(self, body: Any) -> tuple[int, dict]:
@@ -416,15 +455,17 @@ class HiddenStatesServer:
             hidden_states, token = self.forward(prompt)
         except Exception as e:
             log.exception("%s: extraction failed", req_id)
-            return 500, error_payload(500, f"hidden-state extraction failed: "
-                                           f"{type(e).__name__}: {e}")
+            return 500, error_payload(
+                500, f"hidden-state extraction failed: {type(e).__name__}: {e}"
+            )
         token_ids = torch.tensor(prompt, dtype=torch.long)
         try:
             params = self.publish(req_id, hidden_states, token_ids)
         except Exception as e:
             log.exception("%s: publishing the hidden states failed", req_id)
-            return 500, error_payload(500, f"publishing the hidden states failed: "
-                                           f"{type(e).__name__}: {e}")
+            return 500, error_payload(
+                500, f"publishing the hidden states failed: {type(e).__name__}: {e}"
+            )
         want_ids = bool(body.get("return_token_ids"))
         text = ""
         if self.tokenizer is not None:
@@ -438,12 +479,18 @@ class HiddenStatesServer:
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.served_model_name,
-            "choices": [{
-                "index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                "stop_reason": None, "prompt_logprobs": None,
-                "prompt_token_ids": list(prompt) if want_ids else None,
-                "token_ids": [token] if want_ids else None,
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": list(prompt) if want_ids else None,
+                    "token_ids": [token] if want_ids else None,
+                }
+            ],
             "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
             "system_fingerprint": None,
             "kv_transfer_params": params,
@@ -500,9 +547,12 @@ class HiddenStatesServer:
                     except (BrokenPipeError, ConnectionResetError):
                         # The client gave up (its timeout); it will ask again. What was
                         # published for this answer is nobody's now (as with vLLM).
-                        log.warning("%s: the client closed the connection before the answer "
-                                    "(%s left unclaimed)", payload.get("id", "request"),
-                                    payload.get("kv_transfer_params"))
+                        log.warning(
+                            "%s: the client closed the connection before the answer "
+                            "(%s left unclaimed)",
+                            payload.get("id", "request"),
+                            payload.get("kv_transfer_params"),
+                        )
                 finally:  # deferred work runs even if the client went away
                     after, server._local.after = server._local.after, None
                     for fn in after:
@@ -511,8 +561,9 @@ class HiddenStatesServer:
         return Handler
 
     def start(self) -> HiddenStatesServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever,
-                                        name="hs-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, name="hs-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -540,10 +591,12 @@ class HiddenStatesServer:
     def describe(self) -> str:
         host = self.host if self.host else "0.0.0.0"
         host = f"[{host}]" if ":" in host else host
-        return (f"serving {self.model} as {self.served_model_name} on "
-                f"http://{host}:{self.port}/v1 "
-                f"(layers {list(getattr(self.extractor, 'layer_ids', []))}, "
-                f"backend {self.publisher.describe()})")
+        return (
+            f"serving {self.model} as {self.served_model_name} on "
+            f"http://{host}:{self.port}/v1 "
+            f"(layers {list(getattr(self.extractor, 'layer_ids', []))}, "
+            f"backend {self.publisher.describe()})"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -554,41 +607,65 @@ class HiddenStatesServer:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Serve hidden states over vLLM's extraction protocol with HF transformers "
-                    "(no vLLM needed).")
+        "(no vLLM needed)."
+    )
     ap.add_argument("model", help="verifier: HF id or local folder")
-    ap.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                    help="aux layer ids, without the final layer (appended); default "
-                         "[2, N//2, N-3]")
-    ap.add_argument("--include-last-layer", action=argparse.BooleanOptionalAction, default=True,
-                    help="append the last layer N (default: yes)")
+    ap.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="aux layer ids, without the final layer (appended); default [2, N//2, N-3]",
+    )
+    ap.add_argument(
+        "--include-last-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="append the last layer N (default: yes)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: any free port (see the log)")
     ap.add_argument("--served-model-name", default=None, help="model id (default: MODEL)")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: the config's)")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
     ap.add_argument("--trust-remote-code", action="store_true")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="longest prompt accepted (default: max_position_embeddings)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt accepted (default: max_position_embeddings)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--hidden-states-backend", choices=["file", "mooncake"], required=True)
     g = ap.add_argument_group("file backend")
-    g.add_argument("--hidden-states-path", default="/tmp/hidden_states",
-                   help="folder the files are written to, shared with the consumer "
-                        "(default /tmp/hidden_states)")
+    g.add_argument(
+        "--hidden-states-path",
+        default="/tmp/hidden_states",
+        help="folder the files are written to, shared with the consumer "
+        "(default /tmp/hidden_states)",
+    )
     g.add_argument("--file-writer-threads", type=int, default=4)
     g = ap.add_argument_group("mooncake backend (as hs_connectors' flags)")
-    g.add_argument("--mooncake-master", default="127.0.0.1:50051",
-                   help="Mooncake master server address")
+    g.add_argument(
+        "--mooncake-master", default="127.0.0.1:50051", help="Mooncake master server address"
+    )
     g.add_argument("--mooncake-metadata-server", default="P2PHANDSHAKE")
     g.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default="tcp")
-    g.add_argument("--mooncake-device", default="",
-                   help="transport device(s), e.g. mlx5_0 (empty: Mooncake chooses)")
+    g.add_argument(
+        "--mooncake-device",
+        default="",
+        help="transport device(s), e.g. mlx5_0 (empty: Mooncake chooses)",
+    )
     g.add_argument("--mooncake-global-segment-gib", type=float, default=4.0)
     g.add_argument("--mooncake-local-buffer-gib", type=float, default=2.0)
     g.add_argument("--mooncake-writer-threads", type=int, default=4)
-    g.add_argument("--mooncake-format", choices=list(MOONCAKE_FORMATS), default="packed",
-                   help="packed: hs_connectors 0.9.0 (manifest in the answer); per-tensor: "
-                        "the Kimi-K3 example format (K:hidden_states, K:token_ids, K:meta)")
+    g.add_argument(
+        "--mooncake-format",
+        choices=list(MOONCAKE_FORMATS),
+        default="packed",
+        help="packed: hs_connectors 0.9.0 (manifest in the answer); per-tensor: "
+        "the Kimi-K3 example format (K:hidden_states, K:token_ids, K:meta)",
+    )
     return ap.parse_args(argv)
 
 
@@ -617,8 +694,11 @@ def build_publisher(args: argparse.Namespace) -> Publisher:
         device_name=args.mooncake_device,
         num_writer_threads=args.mooncake_writer_threads,
     )
-    return MooncakePublisher(MooncakeHiddenStates(open_store(config)), args.mooncake_format,
-                             writer_threads=args.mooncake_writer_threads)
+    return MooncakePublisher(
+        MooncakeHiddenStates(open_store(config)),
+        args.mooncake_format,
+        writer_threads=args.mooncake_writer_threads,
+    )
 
 
 def build_server(args: argparse.Namespace) -> HiddenStatesServer:
@@ -626,30 +706,42 @@ def build_server(args: argparse.Namespace) -> HiddenStatesServer:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    extractor = HFExtractor(args.model, args.target_layer_ids,
-                            include_last_layer=args.include_last_layer, dtype=args.dtype,
-                            device=args.device, trust_remote_code=args.trust_remote_code)
+    extractor = HFExtractor(
+        args.model,
+        args.target_layer_ids,
+        include_last_layer=args.include_last_layer,
+        dtype=args.dtype,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+    )
     tokenizer = None
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model,
-                                                  trust_remote_code=args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            args.model, trust_remote_code=args.trust_remote_code
+        )
     except Exception as e:  # noqa: BLE001
         log.warning("no tokenizer for %s (%s); completions carry empty text", args.model, e)
     publisher = build_publisher(args)
     try:
-        return HiddenStatesServer(extractor, args.served_model_name or args.model, publisher,
-                                  model=args.model, host=args.host, port=args.port,
-                                  tokenizer=tokenizer, max_model_len=args.max_model_len)
+        return HiddenStatesServer(
+            extractor,
+            args.served_model_name or args.model,
+            publisher,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            tokenizer=tokenizer,
+            max_model_len=args.max_model_len,
+        )
     except BaseException:
         publisher.close()
         raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     server = build_server(args)
     stop = threading.Event()

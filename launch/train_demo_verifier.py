@@ -35,8 +35,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, MASK_TOKEN = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1], \
-    SPECIAL_TOKENS[2], SPECIAL_TOKENS[3]
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, MASK_TOKEN = (
+    SPECIAL_TOKENS[0],
+    SPECIAL_TOKENS[1],
+    SPECIAL_TOKENS[2],
+    SPECIAL_TOKENS[3],
+)
 
 # ChatML, as Qwen models use it. Text-only content; tools are listed in a
 # leading system block; assistant reasoning goes in <think> and tool calls in
@@ -239,8 +243,10 @@ def main(argv: list[str] | None = None) -> None:
     train_stream = stream_of(train_convs)
     held_stream = stream_of(held_convs) if held_convs else None
     n_chars = sum(len(t["content"]) for c in train_convs for t in c)
-    print(f"train stream: {len(train_stream)} tokens "
-          f"({n_chars / len(train_stream):.2f} chars/token)", flush=True)
+    print(
+        f"train stream: {len(train_stream)} tokens ({n_chars / len(train_stream):.2f} chars/token)",
+        flush=True,
+    )
 
     config = build_model_config(tokenizer)
     model = Qwen3ForCausalLM(config)
@@ -251,9 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
     def lr_at(step: int) -> float:
@@ -273,8 +283,9 @@ def main(argv: list[str] | None = None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 y.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -282,16 +293,21 @@ def main(argv: list[str] | None = None) -> None:
         if step % args.log_every == 0 or step == args.steps - 1:
             el = time.time() - t_train
             tps = (step + 1) * args.batch_size * args.seq_len / el
-            print(f"step {step:5d} loss {loss.item():.4f} lr {lr_at(step):.2e} "
-                  f"{tps:.0f} tok/s {el:.0f}s", flush=True)
+            print(
+                f"step {step:5d} loss {loss.item():.4f} lr {lr_at(step):.2e} "
+                f"{tps:.0f} tok/s {el:.0f}s",
+                flush=True,
+            )
             log.append({"step": step, "loss": round(loss.item(), 5)})
     train_seconds = time.time() - t_train
 
     train_loss = evaluate(model, train_stream, args.seq_len)
     held_loss = evaluate(model, held_stream, args.seq_len) if held_stream is not None else None
-    print(f"eval: train ce {train_loss:.4f} (ppl {math.exp(train_loss):.2f})"
-          + (f", held-out ce {held_loss:.4f} (ppl {math.exp(held_loss):.2f})" if held_loss else ""),
-          flush=True)
+    print(
+        f"eval: train ce {train_loss:.4f} (ppl {math.exp(train_loss):.2f})"
+        + (f", held-out ce {held_loss:.4f} (ppl {math.exp(held_loss):.2f})" if held_loss else ""),
+        flush=True,
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,8 +320,9 @@ def main(argv: list[str] | None = None) -> None:
     portable_tokenizer_config(out / "tokenizer_config.json")
 
     # held-out loss again with the saved (bf16) weights, as extraction will see them
-    held_loss_saved = (evaluate(model, held_stream, args.seq_len)
-                       if held_stream is not None else None)
+    held_loss_saved = (
+        evaluate(model, held_stream, args.seq_len) if held_stream is not None else None
+    )
     weights_sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     record = {
         "command": " ".join(["python -m launch.train_demo_verifier", *(argv or sys.argv[1:])]),

@@ -98,9 +98,15 @@ def serve_command(
     """``python -m vllm.entrypoints.cli.main serve MODEL --speculative_config ... `` as
     speculators' ``scripts/launch_vllm.py`` builds it."""
     return [
-        python, "-m", "vllm.entrypoints.cli.main", "serve", model,
-        "--speculative_config", json.dumps(speculative_config(layer_ids)),
-        "--kv_transfer_config", json.dumps(kv_transfer_config),
+        python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--speculative_config",
+        json.dumps(speculative_config(layer_ids)),
+        "--kv_transfer_config",
+        json.dumps(kv_transfer_config),
         *vllm_args,
     ]
 
@@ -121,8 +127,15 @@ def option_value(args: Sequence[str], name: str) -> str | None:
 class VllmServer:
     """Run a server command, wait for ``GET /health`` to answer 200, stop it on exit."""
 
-    def __init__(self, cmd: Sequence[str], base_url: str, log_path: str | Path,
-                 health_timeout: float = 1800.0, poll: float = 2.0, env: dict | None = None):
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        base_url: str,
+        log_path: str | Path,
+        health_timeout: float = 1800.0,
+        poll: float = 2.0,
+        env: dict | None = None,
+    ):
         self.cmd, self.base_url = list(cmd), base_url.rstrip("/")
         self.log_path, self.health_timeout, self.poll = Path(log_path), health_timeout, poll
         self.env = env
@@ -138,23 +151,32 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting: %s", " ".join(self.cmd))
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=self.env)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env,
+        )
         deadline = time.monotonic() + self.health_timeout
         url = self.base_url + "/health"
         while True:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self._close()
-                raise RuntimeError(f"vLLM server exited with status {code} before answering "
-                                   f"{url}; last lines of {self.log_path}:\n{self._tail()}")
+                raise RuntimeError(
+                    f"vLLM server exited with status {code} before answering "
+                    f"{url}; last lines of {self.log_path}:\n{self._tail()}"
+                )
             if get_status(url, timeout=5.0) == 200:
                 log.info("server ready at %s", self.base_url)
                 return self
             if time.monotonic() > deadline:
                 self.__exit__(None, None, None)
-                raise TimeoutError(f"vLLM server did not answer {url} within "
-                                   f"{self.health_timeout:.0f}s; see {self.log_path}")
+                raise TimeoutError(
+                    f"vLLM server did not answer {url} within "
+                    f"{self.health_timeout:.0f}s; see {self.log_path}"
+                )
             time.sleep(self.poll)
 
     def _close(self):
@@ -206,8 +228,13 @@ class VllmClient(ExtractorClient):
         validation_retries: int = 2,
         lock_timeout: float = 60.0,
     ):
-        super().__init__(endpoint, model, request_timeout=request_timeout,
-                         max_retries=max_retries, retry_backoff=retry_backoff)
+        super().__init__(
+            endpoint,
+            model,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            retry_backoff=retry_backoff,
+        )
         self.validation_retries = validation_retries
         self.lock_timeout = lock_timeout
 
@@ -253,25 +280,34 @@ class VllmClient(ExtractorClient):
                     wait_for_lock(lock, timeout=self.lock_timeout)
                 _move(staged, tmp)
                 staged = None
-                load_and_check(tmp, ids, num_slots=num_slots, hidden_size=hidden_size,
-                               dtype=dtype)
+                load_and_check(tmp, ids, num_slots=num_slots, hidden_size=hidden_size, dtype=dtype)
                 commit_file(tmp, final)
                 return final
             except HTTPStatusError as e:
-                raise SampleError(index, f"sample {index} ({final.name}): {self.describe(ids)} "
-                                  f"failed: {e}") from e
+                raise SampleError(
+                    index, f"sample {index} ({final.name}): {self.describe(ids)} failed: {e}"
+                ) from e
             except (InvalidResponseError, HiddenStatesError, TimeoutError, OSError) as e:
                 last = e
                 lock_timed_out = isinstance(e, TimeoutError)
                 if attempt < attempts:
-                    log.warning("sample %d: %s -> %s (round trip %d/%d, retrying)", index,
-                                self.describe(ids), e, attempt, attempts)
+                    log.warning(
+                        "sample %d: %s -> %s (round trip %d/%d, retrying)",
+                        index,
+                        self.describe(ids),
+                        e,
+                        attempt,
+                        attempts,
+                    )
             finally:
                 tmp.unlink(missing_ok=True)
                 if staged is not None and not lock_timed_out:  # (its writer still holds it)
                     self.discard(staged)
-        raise SampleError(index, f"sample {index} ({final.name}): {self.describe(ids)} failed "
-                          f"after {attempts} round trip(s): {type(last).__name__}: {last}")
+        raise SampleError(
+            index,
+            f"sample {index} ({final.name}): {self.describe(ids)} failed "
+            f"after {attempts} round trip(s): {type(last).__name__}: {last}",
+        )
 
 
 def _move(src: Path, dst: Path) -> None:

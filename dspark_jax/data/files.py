@@ -396,8 +396,6 @@ def first_non_finite(x: np.ndarray) -> tuple[int, ...] | None:
     return tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), x.shape))
 
 
-
-
 def check_extraction_config(
     hidden_states_dir: str | os.PathLike,
     *,

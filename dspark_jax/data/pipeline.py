@@ -177,8 +177,10 @@ class StepLoader:
                         self._append_generated(rows, i, file_idx, room, pending)
                     elif not self.read_files:
                         raise BadSampleError(
-                            f"row {file_idx}", file_idx, "no hidden states (the mooncake "
-                            "backend reads no files; generate them with --on-missing generate)"
+                            f"row {file_idx}",
+                            file_idx,
+                            "no hidden states (the mooncake "
+                            "backend reads no files; generate them with --on-missing generate)",
                         )
                     else:
                         self._append(rows, i, file_idx, room)
@@ -418,7 +420,9 @@ class PackedData:
         return start, stop
 
     def _detect_dtype(self) -> str:
-        if not self.read_files or (self.online is not None and not self.hidden_states_path.is_dir()):
+        if not self.read_files or (
+            self.online is not None and not self.hidden_states_path.is_dir()
+        ):
             return "bfloat16"  # the verifier dtype the reference trains in
         for i in range(len(self.dataset)):
             p = hs_path(self.hidden_states_path, i)

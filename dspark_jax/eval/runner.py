@@ -437,8 +437,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     given = None
     if args.temperatures and has_conf:
         given = {
-            r: calibration.load_temperatures(args.temperatures, r)
-            for r in report.CALIBRATION_RULES
+            r: calibration.load_temperatures(args.temperatures, r) for r in report.CALIBRATION_RULES
         }
     info = {
         "checkpoint": drafter.source,
@@ -506,4 +505,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-

@@ -69,9 +69,19 @@ def group_chunk_ranges(anchors, document_ids, *, sliding_window, q_block_group, 
 
 
 def anchored_block_attention(
-    q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids,
-    *, block_size: int, sliding_window: int | None, causal_in_block: bool,
-    q_block_group: int = 16, kv_chunk: int = 512,
+    q,
+    k_ctx,
+    v_ctx,
+    k_blk,
+    v_blk,
+    anchors,
+    document_ids,
+    *,
+    block_size: int,
+    sliding_window: int | None,
+    causal_in_block: bool,
+    q_block_group: int = 16,
+    kv_chunk: int = 512,
 ):
     """Memory-efficient anchored-block attention for one packed row (differentiable).
 
@@ -85,11 +95,19 @@ def anchored_block_attention(
     under vmap or lax.map (see the module docstring).
     """
     (Q, Nh, D), (S, Nkv, _), A = q.shape, k_ctx.shape, anchors.shape[0]
-    if (Q != A * block_size or Nh % Nkv or document_ids.shape != (S,) or v_ctx.shape != (S, Nkv, D)
-            or k_blk.shape != (Q, Nkv, D) or v_blk.shape != (Q, Nkv, D)):
-        raise ValueError(f"bad shapes: q {q.shape}, k/v_ctx {k_ctx.shape}/{v_ctx.shape}, "
-                         f"k/v_blk {k_blk.shape}/{v_blk.shape}, document_ids "
-                         f"{document_ids.shape}, {A} anchors x block_size {block_size}")
+    if (
+        Q != A * block_size
+        or Nh % Nkv
+        or document_ids.shape != (S,)
+        or v_ctx.shape != (S, Nkv, D)
+        or k_blk.shape != (Q, Nkv, D)
+        or v_blk.shape != (Q, Nkv, D)
+    ):
+        raise ValueError(
+            f"bad shapes: q {q.shape}, k/v_ctx {k_ctx.shape}/{v_ctx.shape}, "
+            f"k/v_blk {k_blk.shape}/{v_blk.shape}, document_ids "
+            f"{document_ids.shape}, {A} anchors x block_size {block_size}"
+        )
     cfg = _Cfg(block_size, sliding_window, bool(causal_in_block), q_block_group, kv_chunk)
     return _attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg)
 
@@ -118,14 +136,24 @@ def _layout(q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg):
     Q, Nh, D = q.shape
     Nkv = k_ctx.shape[1]
     qg = _to_groups(q, cfg).reshape(-1, cfg.q_block_group, cfg.block_size, Nkv, Nh // Nkv, D)
-    ranges = group_chunk_ranges(anchors, document_ids, sliding_window=cfg.sliding_window,
-                                q_block_group=cfg.q_block_group, kv_chunk=cfg.kv_chunk)
+    ranges = group_chunk_ranges(
+        anchors,
+        document_ids,
+        sliding_window=cfg.sliding_window,
+        q_block_group=cfg.q_block_group,
+        kv_chunk=cfg.kv_chunk,
+    )
     anc = jnp.pad(anchors, (0, ranges.shape[0] * cfg.q_block_group - anchors.shape[0]))
     pad_s = -k_ctx.shape[0] % cfg.kv_chunk
     ctx = [jnp.pad(x, ((0, pad_s), (0, 0), (0, 0))) for x in (k_ctx, v_ctx)]
     doc = jnp.pad(document_ids, (0, pad_s), constant_values=-1)
-    groups = (qg, _to_groups(k_blk, cfg), _to_groups(v_blk, cfg),
-              anc.reshape(-1, cfg.q_block_group), ranges)
+    groups = (
+        qg,
+        _to_groups(k_blk, cfg),
+        _to_groups(v_blk, cfg),
+        anc.reshape(-1, cfg.q_block_group),
+        ranges,
+    )
     return groups, ctx, doc
 
 
@@ -168,7 +196,8 @@ def _chunk(i, k_ctx, v_ctx, doc, anc, cfg):
 
 def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg):
     (qg, kbg, vbg, ancg, ranges), (kc_all, vc_all), doc = _layout(
-        q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg)
+        q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg
+    )
     scale, cd = q.shape[-1] ** -0.5, q.dtype
 
     def group(xs):
@@ -214,7 +243,8 @@ def _attention_bwd(cfg, res, dout):
     # Padded queries have dout = 0, so they contribute nothing.
     q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, out, lse = res
     (qg, kbg, vbg, ancg, ranges), (kc_all, vc_all), doc = _layout(
-        q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg)
+        q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg
+    )
     scale, cd = q.shape[-1] ** -0.5, q.dtype
     shape = qg.shape  # [n_groups, G, B, Nkv, R, D]
     dog = _to_groups(dout, cfg).reshape(shape)
@@ -225,8 +255,11 @@ def _attention_bwd(cfg, res, dout):
         """dq, dk, dv of one tile from its probabilities p (masked entries exactly 0)."""
         qk_eq, pv_eq, kv_eq = eqs
         ds = p * (_dot(qk_eq, do, v, cd) - dl[..., None])  # dS = P * (dP - delta), dP = dO V^T
-        return _dot(pv_eq, ds, k, cd) * scale, _dot(kv_eq, ds, qb, cd) * scale, \
-            _dot(kv_eq, p, do, cd)
+        return (
+            _dot(pv_eq, ds, k, cd) * scale,
+            _dot(kv_eq, ds, qb, cd) * scale,
+            _dot(kv_eq, p, do, cd),
+        )
 
     def group(carry, xs):
         dk_ctx, dv_ctx = carry
@@ -241,7 +274,8 @@ def _attention_bwd(cfg, res, dout):
             dq_i, dk_i, dv_i = grads(jnp.exp(s - lse_g[..., None]), do, dl, qb, kc, vc, _CTX)
             start = i * cfg.kv_chunk
             add = lambda acc, x: lax.dynamic_update_slice_in_dim(  # noqa: E731
-                acc, lax.dynamic_slice_in_dim(acc, start, cfg.kv_chunk) + x, start, 0)
+                acc, lax.dynamic_slice_in_dim(acc, start, cfg.kv_chunk) + x, start, 0
+            )
             return dq + dq_i, add(dk_ctx, dk_i), add(dv_ctx, dv_i)
 
         dq, dk_ctx, dv_ctx = lax.fori_loop(rng[0], rng[1], body, (dq, dk_ctx, dv_ctx))
@@ -249,10 +283,18 @@ def _attention_bwd(cfg, res, dout):
 
     zeros = jnp.zeros(kc_all.shape, _F32)
     (dk_ctx, dv_ctx), (dq, dkb, dvb) = lax.scan(
-        group, (zeros, zeros), (qg, kbg, vbg, ancg, ranges, dog, lse, delta))
+        group, (zeros, zeros), (qg, kbg, vbg, ancg, ranges, dog, lse, delta)
+    )
     S = k_ctx.shape[0]
-    return (_ungroup(dq, q), dk_ctx[:S].astype(k_ctx.dtype), dv_ctx[:S].astype(v_ctx.dtype),
-            _ungroup(dkb, k_blk), _ungroup(dvb, v_blk), None, None)
+    return (
+        _ungroup(dq, q),
+        dk_ctx[:S].astype(k_ctx.dtype),
+        dv_ctx[:S].astype(v_ctx.dtype),
+        _ungroup(dkb, k_blk),
+        _ungroup(dvb, v_blk),
+        None,
+        None,
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -262,8 +304,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # Dense oracle (tests only): the reference's full boolean mask and a plain fp32 softmax.
 
 
-def dense_anchored_block_mask(anchors, document_ids, *, block_size, sliding_window,
-                              causal_in_block):
+def dense_anchored_block_mask(
+    anchors, document_ids, *, block_size, sliding_window, causal_in_block
+):
     """Bool [Q, S + Q], True = visible; columns are [context | block tokens] as in the reference."""
     Q, S = anchors.shape[0] * block_size, document_ids.shape[0]
     qi = jnp.arange(Q)
@@ -280,12 +323,27 @@ def dense_anchored_block_mask(anchors, document_ids, *, block_size, sliding_wind
     return jnp.concatenate([ctx, blk], axis=1)
 
 
-def dense_anchored_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, *,
-                                   block_size, sliding_window, causal_in_block):
+def dense_anchored_block_attention(
+    q,
+    k_ctx,
+    v_ctx,
+    k_blk,
+    v_blk,
+    anchors,
+    document_ids,
+    *,
+    block_size,
+    sliding_window,
+    causal_in_block,
+):
     """Test oracle with the shapes and semantics of ``anchored_block_attention`` (fp32 math)."""
-    mask = dense_anchored_block_mask(anchors, document_ids, block_size=block_size,
-                                     sliding_window=sliding_window,
-                                     causal_in_block=causal_in_block)
+    mask = dense_anchored_block_mask(
+        anchors,
+        document_ids,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        causal_in_block=causal_in_block,
+    )
     rep = q.shape[1] // k_ctx.shape[1]
     k = jnp.repeat(jnp.concatenate([k_ctx, k_blk]).astype(_F32), rep, axis=1)  # repeat_kv
     v = jnp.repeat(jnp.concatenate([v_ctx, v_blk]).astype(_F32), rep, axis=1)

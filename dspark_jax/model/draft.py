@@ -215,8 +215,10 @@ def check_row(row: dict[str, jax.Array], cfg: DSparkConfig) -> None:
     for name in ROW_KEYS:
         dtype = jnp.dtype(row[name].dtype)
         floating = name in ("hidden_states", "verifier_last_hidden_states")
-        ok = jnp.issubdtype(dtype, jnp.floating) if floating else (
-            jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_
+        ok = (
+            jnp.issubdtype(dtype, jnp.floating)
+            if floating
+            else (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_)
         )
         if not ok:
             kind = "a floating" if floating else "an integer"

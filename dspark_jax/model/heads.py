@@ -51,7 +51,9 @@ class MarkovHead(nnx.Module):
             rngs=rngs,
         )
         if self.head_type == "gated":
-            self.gate_proj = linear(h + r, r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs)
+            self.gate_proj = linear(
+                h + r, r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs
+            )
         elif self.head_type == "rnn":
             self.joint_proj = linear(
                 2 * r + h, 3 * r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs

@@ -103,8 +103,12 @@ class Attention(nnx.Module):
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         bias = cfg.attention_bias
         self.q_proj = linear(h, nh * d, ("embed", "heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(h, nkv * d, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(h, nkv * d, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(
+            h, nkv * d, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs
+        )
+        self.v_proj = linear(
+            h, nkv * d, ("embed", "kv_heads"), use_bias=bias, dtype=dtype, rngs=rngs
+        )
         self.o_proj = linear(nh * d, h, ("heads", "embed"), use_bias=bias, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)

@@ -35,7 +35,6 @@ CLI_DEFAULTS: dict[str, Any] = {
 }
 
 
-
 def build_optimizer(
     params=None,
     *,

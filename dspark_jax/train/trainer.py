@@ -198,7 +198,10 @@ class Trainer:
         sh = parallel.frozen_shardings(host, self.mesh)
         head = _put(host.lm_head, sh.lm_head)  # one device copy serves both heads
         return FrozenWeights(
-            _put(host.embed_tokens, sh.embed_tokens), head, head, _put(host.verifier_norm, sh.verifier_norm)
+            _put(host.embed_tokens, sh.embed_tokens),
+            head,
+            head,
+            _put(host.verifier_norm, sh.verifier_norm),
         )
 
     # ------------------------------------------------------------------ data
@@ -624,4 +627,3 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, VocabError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-

@@ -38,9 +38,12 @@ class InvalidResponseError(RuntimeError):
 
 
 def _request(url: str, data: bytes | None, timeout: float, method: str) -> Any:
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": "Bearer EMPTY"})
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
@@ -50,8 +53,9 @@ def _request(url: str, data: bytes | None, timeout: float, method: str) -> Any:
         raise HTTPStatusError(e.code, f"{method} {url} -> HTTP {e.code}: {text}", retriable) from e
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
         reason = getattr(e, "reason", e)
-        raise HTTPStatusError(None, f"{method} {url} -> {type(reason).__name__}: {reason}",
-                              True) from e
+        raise HTTPStatusError(
+            None, f"{method} {url} -> {type(reason).__name__}: {reason}", True
+        ) from e
     try:
         return json.loads(body)
     except json.JSONDecodeError as e:
@@ -77,8 +81,14 @@ def get_status(url: str, timeout: float = 5.0) -> int | None:
         return None
 
 
-def retry(fn: Callable[[], T], *, max_retries: int, backoff: float, describe: str,
-          sleep: Callable[[float], None] = time.sleep) -> T:
+def retry(
+    fn: Callable[[], T],
+    *,
+    max_retries: int,
+    backoff: float,
+    describe: str,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
     """Call ``fn`` up to ``max_retries + 1`` times while it raises a retriable
     :class:`HTTPStatusError`; wait ``backoff * 2 ** (attempt - 1)`` between tries."""
     attempts = max_retries + 1
@@ -89,7 +99,13 @@ def retry(fn: Callable[[], T], *, max_retries: int, backoff: float, describe: st
             if not e.retriable or attempt == attempts:
                 raise
             wait = backoff * 2 ** (attempt - 1)
-            log.warning("%s failed (attempt %d/%d): %s; retrying in %.2fs", describe, attempt,
-                        attempts, e, wait)
+            log.warning(
+                "%s failed (attempt %d/%d): %s; retrying in %.2fs",
+                describe,
+                attempt,
+                attempts,
+                e,
+                wait,
+            )
             sleep(wait)
     raise AssertionError("unreachable")

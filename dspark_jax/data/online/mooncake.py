@@ -94,7 +94,9 @@ class MooncakeConfig:
     num_writer_threads: int = 4
 
     @classmethod
-    def from_gib(cls, *, global_segment_gib: float, local_buffer_gib: float, **kw) -> MooncakeConfig:
+    def from_gib(
+        cls, *, global_segment_gib: float, local_buffer_gib: float, **kw
+    ) -> MooncakeConfig:
         return cls(
             global_segment_size=round(global_segment_gib * 1024**3),
             local_buffer_size=round(local_buffer_gib * 1024**3),
@@ -156,7 +158,11 @@ class _Staging:
         granule = _GRANULE if role != "meta" else 1 << 20
         capacity = -(-max(nbytes, 1) // granule) * granule
         buf = np.empty(capacity, np.uint8)
-        _check("register_buffer", f"<{role} staging>", self.store.register_buffer(buf.ctypes.data, capacity))
+        _check(
+            "register_buffer",
+            f"<{role} staging>",
+            self.store.register_buffer(buf.ctypes.data, capacity),
+        )
         self.buffers[slot] = buf
         return buf
 
@@ -282,11 +288,15 @@ class MooncakeHiddenStates:
         delay = min(0.001, self.poll_interval)
         while True:
             if self._exists(f"{handle}:error"):
-                raise MooncakeError(f"extractor failed to publish {handle!r}: {self._error(handle)}")
+                raise MooncakeError(
+                    f"extractor failed to publish {handle!r}: {self._error(handle)}"
+                )
             if self._exists(ready_key):
                 return
             if time.monotonic() >= deadline:
-                raise MooncakeError(f"timed out after {timeout:g}s waiting for Mooncake key {ready_key!r}")
+                raise MooncakeError(
+                    f"timed out after {timeout:g}s waiting for Mooncake key {ready_key!r}"
+                )
             time.sleep(delay)
             delay = min(delay * 2, self.poll_interval)
 
@@ -352,7 +362,9 @@ class MooncakeHiddenStates:
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise MooncakeError(f"corrupt Mooncake meta {handle + ':meta'!r}: {e}") from e
         if meta.get("version", VERSION) != VERSION:
-            raise MooncakeError(f"{handle}:meta has version {meta.get('version')!r}, expected {VERSION}")
+            raise MooncakeError(
+                f"{handle}:meta has version {meta.get('version')!r}, expected {VERSION}"
+            )
         out = []
         for name in TENSORS:
             key = f"{handle}:{name}"
@@ -367,4 +379,3 @@ class MooncakeHiddenStates:
                 )
             out.append(self._tensor(key, data, spec))
         return out[0], out[1]
-

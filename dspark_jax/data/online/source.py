@@ -246,4 +246,8 @@ class OnlineSource:
                 try:
                     self.transport.delete(params)
                 except (TransportError, OSError) as e:
-                    logger.warning("could not delete generated sample %s: %s", params.get("handle") or params, e)
+                    logger.warning(
+                        "could not delete generated sample %s: %s",
+                        params.get("handle") or params,
+                        e,
+                    )
