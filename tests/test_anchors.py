@@ -1,4 +1,4 @@
-"""Anchor sampling and slot masks (SPEC.md §3)."""
+"""Anchor sampling and slot masks (docs/math.md, "Anchors and blocks", "Targets and slot masks")."""
 
 import jax
 import jax.numpy as jnp

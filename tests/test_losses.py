@@ -1,4 +1,4 @@
-"""dspark_jax.losses: SPEC.md §2 golden example, chunked == full-logit oracle, spec parsing."""
+"""dspark_jax.losses: docs/math.md "Golden example", chunked == full-logit oracle, spec parsing."""
 
 import math
 from functools import partial
@@ -66,7 +66,7 @@ def naive_per_position_values(
     return out
 
 
-# ---------------------------------------------------------------- golden example, SPEC §2
+# --------------------------------------------- golden example, docs/math.md "Golden example"
 
 GOLDEN_MASK = np.array([1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 0], np.int32)
 

@@ -19,6 +19,8 @@ from flax import nnx
 from dspark_jax import optim
 from dspark_jax.config import DSparkConfig
 from dspark_jax.model.draft import DSparkDraftModel
+from dspark_jax.model.params import leaf_key
+from dspark_jax.optim import muon
 
 
 def tiny_config(**kw) -> DSparkConfig:
@@ -63,7 +65,7 @@ def expected_muon(num_layers: int, extra: tuple[str, ...] = ()) -> list[str]:
 
 def flat_labels(params) -> dict[str, str]:
     flat = jax.tree_util.tree_flatten_with_path(optim.param_labels(params))[0]
-    return {optim.leaf_key(path)[0]: label for path, label in flat}
+    return {leaf_key(path)[0]: label for path, label in flat}
 
 
 def small_tree(seed: int = 0) -> dict:
@@ -387,9 +389,9 @@ def test_sequential_orthogonalisation_is_bitwise_per_matrix_ns():
 
 
 def test_ordering_edge_is_an_exact_identity():
-    """optim._after(prev, x) is x bit for bit, whatever prev holds (NaN, inf, -0.0)."""
+    """muon.after_previous(prev, x) is x bit for bit, whatever prev holds (NaN, inf, -0.0)."""
     x = jnp.asarray([0.0, -0.0, 1.5, -2.0, np.inf, -np.inf, np.nan, 1e-45], jnp.float32)
-    after = jax.jit(optim._after)
+    after = jax.jit(muon.after_previous)
     for p in (1.0, -3.0, 0.0, -0.0, np.inf, -np.inf, np.nan):
         for dtype in (jnp.float32, jnp.bfloat16):
             prev = jnp.full((2, 3), p, dtype)
@@ -462,7 +464,7 @@ def test_zero_grads_only_decay_each_group():
     u, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     muon = set(optim.muon_param_keys(params))
     for path, du in jax.tree_util.tree_flatten_with_path(u)[0]:
-        key = optim.leaf_key(path)[0]
+        key = leaf_key(path)[0]
         p = np.asarray(params_leaf(params, path))
         rate = 0.5 * 0.2 if key in muon else lr * 0.01
         np.testing.assert_allclose(np.asarray(du), -rate * p, rtol=1e-6, atol=1e-9, err_msg=key)

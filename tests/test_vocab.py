@@ -9,7 +9,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from dspark_jax.vocab import (
+from dspark_jax.data.vocab import (
     VocabError,
     build_vocab_maps,
     check_vocab_maps,

@@ -1,4 +1,4 @@
-"""converters.check: a correct folder passes; each way vLLM would mis-load one fails
+"""dspark_jax.convert.check: a correct folder passes; each way vLLM would mis-load one fails
 with a message naming the field or tensor (table-driven: one mutation per row)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from converters.check import check_folder, expected_tensors
-from converters.export import export_params
-from converters.keys import speculators_key
-from converters.orbax_io import abstract_params
+from dspark_jax.convert.check import check_folder, expected_tensors
+from dspark_jax.convert.export import export_params
+from dspark_jax.model.params import speculators_key
+from dspark_jax.train.checkpoint import abstract_params
 from tests.converters.helpers import base_config, make_vocab, random_params, write_verifier
 
 

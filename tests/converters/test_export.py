@@ -1,4 +1,4 @@
-"""converters.export: Orbax checkpoint -> speculators/vLLM folder."""
+"""dspark_jax.convert.export: Orbax checkpoint -> speculators/vLLM folder."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from converters import orbax_io
 from converters.__main__ import main
-from converters.export import ExportError, export_checkpoint, export_params
-from converters.keys import to_speculators
-from dspark_jax.verifier import load_verifier_tensors
+from dspark_jax.convert.export import ExportError, export_checkpoint, export_params
+from dspark_jax.data.verifier import load_verifier_tensors
+from dspark_jax.model.params import to_speculators
+from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import base_config, make_vocab, random_params, write_verifier
 
 

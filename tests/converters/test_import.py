@@ -1,4 +1,4 @@
-"""converters.importer: speculators DSpark/DFlash folder -> Orbax params checkpoint."""
+"""dspark_jax.convert.importer: speculators DSpark/DFlash folder -> Orbax params checkpoint."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from converters import orbax_io
 from converters.__main__ import main
-from converters.export import export_checkpoint, export_params
-from converters.importer import ImportFolderError, WarmStart, import_folder
+from dspark_jax.convert.export import export_checkpoint, export_params
+from dspark_jax.convert.importer import ImportFolderError, WarmStart, import_folder
+from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import (
     base_config,
     flat_params,

@@ -1,4 +1,4 @@
-"""The params-only Orbax checkpoint contract (converters/orbax_io.py)."""
+"""The params-only Orbax checkpoint contract (dspark_jax/train/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from converters import orbax_io
-from converters.orbax_io import CheckpointError
+from dspark_jax.train import checkpoint as orbax_io
+from dspark_jax.train.checkpoint import CheckpointError
 from tests.converters.helpers import base_config, flat_params, make_vocab, random_params
 
 

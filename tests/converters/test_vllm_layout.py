@@ -1,6 +1,6 @@
-"""The exported folder's keys and shapes are exactly those of ../shared/SPEC.md §5
-(what vLLM 0.33's Qwen3DSpark loader builds), written out here from the SPEC's
-formulas independently of converters.check's own table."""
+"""The exported folder's keys and shapes are exactly those of docs/formats.md, "Tensor
+keys and shapes" (what vLLM 0.33's Qwen3DSpark loader builds), written out here from the doc's
+formulas independently of dspark_jax.convert.check's own table."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from converters.check import CheckError
-from converters.export import export_params
+from dspark_jax.convert.check import CheckError
+from dspark_jax.convert.export import export_params
 from tests.converters.helpers import base_config, make_vocab, random_params, write_verifier
 
 
 def spec_table(*, H, n_aux, Ht, L, nh, nkv, hd, I, Vt, Vd, r, conf, conf_markov, bias):
-    """SPEC.md §5, row by row (torch layout [out, in])."""
+    """docs/formats.md, "Tensor keys and shapes", row by row (torch layout [out, in])."""
     rows = {
         "fc.weight": [H, n_aux * Ht],
         "hidden_norm.weight": [H],

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from converters import orbax_io
 from dspark_jax.config import DSparkConfig
+from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import base_config, random_params, write_verifier
 from tests.data.conftest import write_hs, write_prepared_dataset
 
@@ -136,7 +136,7 @@ def train_tiny(cfg: DSparkConfig, verifier: Path, data_path: Path, *, steps: int
     from flax import nnx
 
     from dspark_jax.data.pipeline import PackedData
-    from dspark_jax.eval import load_frozen
+    from dspark_jax.eval.runner import load_frozen
     from dspark_jax.model.draft import ROW_KEYS, LossSettings, batch_loss
 
     frozen = load_frozen(cfg, verifier, None)

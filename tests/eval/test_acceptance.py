@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax import acceptance, eval_report
-from dspark_jax.drafting import slot_statistics
+from dspark_jax.eval import acceptance
+from dspark_jax.eval import report as eval_report
+from dspark_jax.eval.slot_statistics import slot_statistics
 from dspark_jax.model.heads import ConfidenceHead, MarkovHead
 from tests.converters.helpers import make_vocab
 from tests.eval.conftest import eval_config, numpy_module

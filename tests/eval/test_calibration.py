@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax import calibration
+from dspark_jax.eval import calibration
 
 
 def test_metrics_on_known_cases():

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from converters import orbax_io
-from converters.export import export_checkpoint
-from dspark_jax import eval as dspark_eval
+from dspark_jax.convert.export import export_checkpoint
+from dspark_jax.eval import runner as dspark_eval
+from dspark_jax.train import checkpoint as orbax_io
 from tests.eval.conftest import train_tiny
 
 COMMON = ["--total-seq-len", "128", "--anchors-per-call", "64"]

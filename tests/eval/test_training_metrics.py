@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax import acceptance
 from dspark_jax import anchors as anchor_ops
-from dspark_jax.drafting import row_statistics
+from dspark_jax.eval import acceptance
+from dspark_jax.eval.slot_statistics import row_statistics
 from dspark_jax.model.draft import LossSettings, row_loss
 from tests.converters.helpers import make_vocab
 from tests.eval.conftest import eval_config, numpy_drafter

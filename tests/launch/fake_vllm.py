@@ -36,7 +36,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
-
 def synthetic_hidden_states(prompt: list[int], n_slots: int, hidden: int):
     """Deterministic float32 stand-in values (numpy only: a fast-starting server)."""
     import numpy as np

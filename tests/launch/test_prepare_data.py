@@ -195,7 +195,7 @@ def test_cli_skips_existing_output(tmp_path, verifier_path):
 
 
 def test_accepts_the_seed_command():
-    """SEED_COMMAND.md section 1."""
+    """docs/seed_run.md, "Prepare data"."""
     from launch.prepare_data import parse_args
 
     a = parse_args("--model moonshotai/Kimi-K3 --trust-remote-code --data ./data.jsonl "

@@ -1,9 +1,9 @@
-"""launch/recipes/: syntax, shellcheck, and dry runs checked against SEED_COMMAND.md.
+"""launch/recipes/: syntax, shellcheck, and dry runs checked against docs/seed_run.md.
 
 The dry runs execute the real scripts with DRY_RUN=1, a fake node list and no Slurm
 variables; srun, scontrol, gcloud and curl on PATH are stubs that record any call, so
 a dry run that would touch the cluster fails. No JAX import: the trainer command is
-checked with dspark_jax.cli's parser and its validation (the loss-spec check, the one
+checked with dspark_jax.train.flags's parser and its validation (the loss-spec check, the one
 part of the validation that lives in a JAX module, is replaced by a stub).
 """
 
@@ -28,7 +28,7 @@ COMMON = RECIPES / "common.sh"
 SCRIPTS = (SBATCH, TPU, COMMON)
 BASH = shutil.which("bash") or "/bin/bash"
 
-# SEED_COMMAND.md §2-§4, with <host> / <head-ip> written as HEAD and <0|1> as RANK, and
+# docs/seed_run.md §2-§4, with <host> / <head-ip> written as HEAD and <0|1> as RANK, and
 # python -m launch.launch_vllm (our launcher) in place of scripts/launch_vllm.py.
 SEED_MASTER = (
     "mooncake_master --rpc_port 50051 --metrics_port 9003 --rpc_thread_num 8 "
@@ -172,8 +172,8 @@ def seed(text: str, head: str, rank: int | None = None) -> list[str]:
 
 
 def resolve_trainer_args(argv: list[str], monkeypatch):
-    """dspark_jax.cli's parser + validation on argv (the trainer's own checks)."""
-    from dspark_jax import cli
+    """dspark_jax.train.flags's parser + validation on argv (the trainer's own checks)."""
+    from dspark_jax.train import flags as cli
 
     cli.build_parser().parse_args(argv)  # every flag exists and its value parses
     with warnings.catch_warnings():
@@ -315,21 +315,21 @@ def test_slurm_multi_node_trainer_needs_gpu_count(stub_bin):
 
 
 def test_slurm_file_transport(stub_bin, monkeypatch):
-    out = dry_run(SBATCH, slurm_env(TRANSPORT="file", HS_PATH="/shared/hs"), stub_bin)
+    out = dry_run(SBATCH, slurm_env(TRANSPORT="file", HS_PATH="/nfs/hs"), stub_bin)
     assert "mooncake" not in out.lower()
     ext = commands(out, r"node-\d extractor.*")
     assert len(ext) == 2
     for argv in ext.values():
         launcher = flag_map(argv[4 : argv.index("--")])
         assert launcher["--hidden-states-backend"] == ["file"]
-        assert launcher["--hidden-states-path"] == ["/shared/hs"]
+        assert launcher["--hidden-states-path"] == ["/nfs/hs"]
     (train,) = commands(out, r"node-2 trainer.*").values()
     flags = flag_map(trainer_argv(train))
     assert flags["--hidden-states-backend"] == ["file"]
-    assert flags["--hidden-states-path"] == ["/shared/hs"]
+    assert flags["--hidden-states-path"] == ["/nfs/hs"]
     assert flags["--on-missing"] == ["generate"]
     args = resolve_trainer_args(trainer_argv(train), monkeypatch)
-    assert args.hidden_states_path == "/shared/hs"
+    assert args.hidden_states_path == "/nfs/hs"
 
 
 def test_slurm_external_master_and_extract_only(stub_bin):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dspark_jax.data import hs_names
 from launch.extract_hidden_states import main
 
 from .conftest import DEMO_TARGET_LAYERS
@@ -84,7 +85,7 @@ def test_dspark_jax_readers_agree(small_prepared, extracted, extractor):
         assert prep.loss_mask(i).tolist() == rows[i]["loss_mask"]
         assert int(prep.seq_len[i]) == rows[i]["seq_len"]
         hs = files.read_hidden_states(
-            files.hs_path(extracted, i), row=i, input_ids=ids, n_aux=len(DEMO_TARGET_LAYERS),
+            hs_names.hs_path(extracted, i), row=i, input_ids=ids, n_aux=len(DEMO_TARGET_LAYERS),
             hidden_size=extractor.hidden_size, dtype=np.dtype(ml_dtypes.bfloat16))
         ours = load_file(extracted / f"hs_{i}.safetensors")["hidden_states"]
         assert hs.values.shape == tuple(ours.shape)

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_jax.data.extractor_client import ExtractorClient
-from dspark_jax.data.mooncake import MooncakeHiddenStates
+from dspark_jax.data.online.client import ExtractorClient
+from dspark_jax.data.online.mooncake import MooncakeHiddenStates
 from launch.hs_files import save_hidden_states
 from launch.serve_hidden_states import (
     FilePublisher,

@@ -213,7 +213,7 @@ def test_launches_server_waits_for_health_and_stops_it(tmp_path, small_prepared,
 
 @pytest.mark.filterwarnings("ignore:Using custom target layer ids")
 def test_launch_vllm_accepts_the_seed_command(verifier_path):
-    """SEED_COMMAND.md section 3, with the demo verifier in place of Kimi-K3."""
+    """docs/seed_run.md, "Extraction", with the demo verifier in place of Kimi-K3."""
     from launch.launch_vllm import build
 
     pytest.importorskip("hs_connectors")

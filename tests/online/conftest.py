@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_jax.data.mooncake import MooncakeHiddenStates
+from dspark_jax.data.online.mooncake import MooncakeHiddenStates
 from launch.serve_hidden_states import FilePublisher, HiddenStatesServer, MooncakePublisher
 from tests.online.store_fake import FakeMooncakeStore
 

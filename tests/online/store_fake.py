@@ -1,6 +1,6 @@
 """An in-process stand-in for ``mooncake.store.MooncakeDistributedStore``.
 
-Implements the calls dspark_jax/data/mooncake.py makes, with the real store's
+Implements the calls dspark_jax/data/online/mooncake.py makes, with the real store's
 return conventions (0 / byte counts on success, negative status on failure,
 -704 for a missing key), copying through raw addresses like the real
 ``put_from`` / ``get_into`` do, so the code under test takes the same path.

@@ -1,4 +1,4 @@
-"""The Mooncake wire formats (dspark_jax/data/mooncake.py) against an in-process store
+"""The Mooncake wire formats (dspark_jax/data/online/mooncake.py) against an in-process store
 fake, and against hs_connectors 0.9.0's own producer/consumer for the packed format."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dspark_jax.data.mooncake import MooncakeError, MooncakeHiddenStates, packed_manifest
-from dspark_jax.data.transport import MooncakeTransport, TransportError
+from dspark_jax.data.online.mooncake import MooncakeError, MooncakeHiddenStates, packed_manifest
+from dspark_jax.data.online.transport import MooncakeTransport, TransportError
 from tests.online.store_fake import FakeMooncakeStore
 
 

@@ -9,8 +9,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dspark_jax.data.mooncake import MooncakeConfig, MooncakeError, MooncakeHiddenStates, open_store
-from tests.online.local_master import start_master
+from dspark_jax.data.online.mooncake import (
+    MooncakeConfig,
+    MooncakeError,
+    MooncakeHiddenStates,
+    open_store,
+)
+from launch.mooncake_master import start_master
 
 try:
     import mooncake.store  # noqa: F401

@@ -10,11 +10,11 @@ import logging
 import numpy as np
 import pytest
 
-from dspark_jax.data.files import hs_path
-from dspark_jax.data.mooncake import MooncakeConfig
-from dspark_jax.data.online import GenerationError, OnlineSettings, OnlineSource
+from dspark_jax.data.hs_names import hs_path
+from dspark_jax.data.online.mooncake import MooncakeConfig
+from dspark_jax.data.online.source import GenerationError, OnlineSettings, OnlineSource
+from dspark_jax.data.online.transport import FileTransport, MooncakeTransport
 from dspark_jax.data.pipeline import PackedData
-from dspark_jax.data.transport import FileTransport, MooncakeTransport
 from tests.data.conftest import make_tiny_data
 from tests.online.conftest import SERVED
 

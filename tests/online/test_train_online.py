@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax import cli, train
+from dspark_jax.train import flags as cli
+from dspark_jax.train import trainer as train
 from tests.data.conftest import write_prepared_dataset
 from tests.online.store_fake import FakeMooncakeStore
 from tests.train.conftest import ROOT, read_jsonl, tiny_argv
@@ -108,7 +109,7 @@ def test_online_file_transport_against_the_cli_server(world, offline):
 
 
 def test_online_mooncake_transport(world, offline):
-    from dspark_jax.data.mooncake import MooncakeHiddenStates
+    from dspark_jax.data.online.mooncake import MooncakeHiddenStates
     from launch.serve_hidden_states import HiddenStatesServer, MooncakePublisher
 
     store = FakeMooncakeStore()

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from converters.keys import to_speculators
 from dspark_jax.config import DSparkConfig
 from dspark_jax.model.draft import FrozenWeights
-from tests.reference.ref_config import reference_config
+from dspark_jax.model.params import to_speculators
+from launch.speculators_config import reference_config
 
 
 def build_reference_model(

@@ -26,18 +26,18 @@ pytestmark = pytest.mark.reference
 from flax import nnx
 from safetensors import safe_open
 
-from converters import orbax_io
-from converters.check import check_folder
-from converters.export import export_checkpoint
-from converters.importer import WarmStart, import_folder
-from converters.keys import to_speculators
+from dspark_jax.convert.check import check_folder
+from dspark_jax.convert.export import export_checkpoint
+from dspark_jax.convert.importer import WarmStart, import_folder
+from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import (
     DSparkDraftModel,
     FrozenWeights,
     LossSettings,
     row_loss,
 )
-from dspark_jax.verifier import load_verifier_tensors
+from dspark_jax.model.params import to_speculators
+from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import (
     base_config,
     flat_params,

@@ -22,7 +22,6 @@ pytestmark = pytest.mark.reference
 
 from flax import nnx  # noqa: E402
 
-from converters.keys import to_speculators  # noqa: E402
 from dspark_jax.config import DSparkConfig  # noqa: E402
 from dspark_jax.model.draft import (  # noqa: E402
     DSparkDraftModel,
@@ -31,6 +30,7 @@ from dspark_jax.model.draft import (  # noqa: E402
     row_loss,
     target_hidden,
 )
+from dspark_jax.model.params import to_speculators  # noqa: E402
 from tests.reference.harness import build_reference_model, run_reference  # noqa: E402
 from tests.tiny_configs import VT, H, base_config  # noqa: E402
 

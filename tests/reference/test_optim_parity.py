@@ -38,9 +38,9 @@ pytestmark = pytest.mark.reference
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from converters.keys import speculators_key, to_speculators  # noqa: E402
 from dspark_jax import optim  # noqa: E402
 from dspark_jax.model.draft import DSparkDraftModel  # noqa: E402
+from dspark_jax.model.params import leaf_key, to_speculators  # noqa: E402
 from tests.reference.harness import build_reference_model  # noqa: E402
 from tests.reference.test_model_parity import base_config, make_frozen  # noqa: E402
 
@@ -72,7 +72,7 @@ def _grad_sequence(ref, steps: int, seed: int = 1) -> list[dict[str, np.ndarray]
 
 def _to_our_grads(params, grads: dict[str, np.ndarray]):
     def leaf(path, x):
-        key, transpose = speculators_key(optim._path_parts(path))
+        key, transpose = leaf_key((path))
         g = grads[key]
         return jnp.asarray(g.T if transpose else g)
 
@@ -195,7 +195,7 @@ def test_partition_matches_reference(setup):
     muon_ref, adamw_ref = split_named_params_for_muon(ref)
     assert optim.muon_param_keys(params) == sorted(n for n, _ in muon_ref)
     labels = {
-        speculators_key(optim._path_parts(p))[0]: lab
+        leaf_key((p))[0]: lab
         for p, lab in jax.tree_util.tree_flatten_with_path(optim.param_labels(params))[0]
     }
     assert sorted(k for k, v in labels.items() if v == "adamw") == sorted(n for n, _ in adamw_ref)
@@ -260,7 +260,7 @@ def test_steps_match_reference(setup, case):
         assert len(our_state) == 1
         ours_buf = {}
         for path, b in jax.tree_util.tree_flatten_with_path(our_state[0].momentum_buffer)[0]:
-            key, transpose = speculators_key(optim._path_parts(path))
+            key, transpose = leaf_key((path))
             ours_buf[key] = np.asarray(b.T if transpose else b)
         assert set(ours_buf) == set(ref_buf) == muon_keys
         for k in muon_keys:

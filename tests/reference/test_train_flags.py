@@ -15,9 +15,9 @@ import pytest
 pytest.importorskip("speculators")
 pytestmark = pytest.mark.reference
 
-from dspark_jax import cli
+from dspark_jax.train import flags as cli
 
-# dest -> why our default differs (see dspark_jax/cli.py).
+# dest -> why our default differs (see dspark_jax/train/flags.py).
 DEVIATIONS = {
     "speculator_type": "dspark is the only type trained here (reference: eagle3)",
     "verifier_name_or_path": "required in both; the reference's placeholder default is ''",
@@ -74,7 +74,7 @@ def test_resolved_defaults_equal_the_references_for_dspark(reference):
 def test_normalize_counted_metrics_is_the_references():
     from speculators.train.utils import normalize_counted_metrics as reference
 
-    from dspark_jax.metrics_log import normalize_counted_metrics
+    from dspark_jax.train.metrics_log import normalize_counted_metrics
 
     metrics = {"loss_sum": 3.0, "loss_total": 2.0, "accept_len_sum": 1.0, "accept_len_total": 0.0,
                "orphan_total": 4.0, "other": 6.0}  # fmt: skip

@@ -13,7 +13,8 @@ import os
 import signal
 import sys
 
-from dspark_jax import cli, train
+from dspark_jax.train import flags as cli
+from dspark_jax.train import trainer as train
 
 
 def main() -> int:

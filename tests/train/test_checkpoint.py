@@ -1,4 +1,4 @@
-"""dspark_jax.checkpoint.Checkpointer: composite save/restore, retention, meta."""
+"""dspark_jax.train.checkpoint.Checkpointer: composite save/restore, retention, meta."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import parallel
-from dspark_jax.checkpoint import Checkpointer, KeepLatestAndBest
+from dspark_jax.train.checkpoint import Checkpointer, KeepLatestAndBest
 
 
 def _iterator(start=0):

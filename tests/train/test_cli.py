@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dspark_jax import cli, draft_init, train
+from dspark_jax.train import drafter_setup as draft_init
+from dspark_jax.train import flags as cli
+from dspark_jax.train import trainer as train
 from tests.data.conftest import make_tiny_data
 from tests.train.conftest import write_verifier
 
-# ../shared/SEED_COMMAND.md section 4, with `python -m dspark_jax.train` in place of
+# docs/seed_run.md, "Training", with `python -m dspark_jax.train` in place of
 # `torchrun --standalone --nproc-per-node 4 scripts/train.py`; {paths} are filled in.
 SEED_FLAGS = """
   --verifier-name-or-path {verifier} --trust-remote-code

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from dspark_jax.metrics_log import MetricsLog, Progress, flatten, normalize_counted_metrics
+from dspark_jax.train.metrics_log import MetricsLog, Progress, flatten, normalize_counted_metrics
 
 
 def test_normalize_counted_metrics():

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax import cli, train
+from dspark_jax.train import flags as cli
+from dspark_jax.train import trainer as train
 from tests.train.conftest import (
     PYTHON,
     ROOT,
@@ -113,8 +114,8 @@ def test_checkpoints_and_run_files(baseline, tmp_path):
     assert meta["config"]["markov_rank"] == 4 and meta["metrics"]["loss"] > 0
     assert cli.resolve(["--config", str(ckpt / "run.yaml")]).values == args.values
     # The converters read a training checkpoint as is.
-    from converters.check import check_folder
-    from converters.export import export_checkpoint
+    from dspark_jax.convert.check import check_folder
+    from dspark_jax.convert.export import export_checkpoint
 
     report, step = export_checkpoint(ckpt, tmp_path / "export", step="best")
     assert report.ok and step == meta["best_step"]
@@ -185,9 +186,9 @@ def test_sigterm_then_restart_continues_exactly(baseline, learn, tmp_path, compi
 def test_from_pretrained_sources(baseline, learn, tmp_path):
     """An Orbax checkpoint (a run's --save-path or `converters import`), a speculators
     folder and a config-only folder all start a run; shaping flags may not disagree."""
-    from converters import orbax_io
-    from converters.export import export_checkpoint
-    from dspark_jax import draft_init
+    from dspark_jax.convert.export import export_checkpoint
+    from dspark_jax.train import checkpoint as orbax_io
+    from dspark_jax.train import drafter_setup as draft_init
 
     verifier, data = learn
     out, records, _ = baseline
