@@ -47,9 +47,18 @@ def synthetic_hidden_states(prompt: list[int], n_slots: int, hidden: int):
 
 
 class FakeVllm:
-    def __init__(self, model: str, served_name: str, layer_ids: list[int], storage: str | Path,
-                 extractor=None, faults: dict | None = None, port: int = 0,
-                 write_delay: float = 0.2, synthetic_hidden_size: int | None = None):
+    def __init__(
+        self,
+        model: str,
+        served_name: str,
+        layer_ids: list[int],
+        storage: str | Path,
+        extractor=None,
+        faults: dict | None = None,
+        port: int = 0,
+        write_delay: float = 0.2,
+        synthetic_hidden_size: int | None = None,
+    ):
         self.model, self.served_name = model, served_name
         self.layer_ids, self.storage = list(layer_ids), Path(storage)
         self.faults = faults or {}
@@ -61,8 +70,9 @@ class FakeVllm:
         self.held_locks: list[int] = []
         self.writers: list[threading.Thread] = []
         self.synthetic_hidden_size = synthetic_hidden_size
-        if synthetic_hidden_size is None and (extractor is None
-                                              or extractor.layer_ids != self.layer_ids):
+        if synthetic_hidden_size is None and (
+            extractor is None or extractor.layer_ids != self.layer_ids
+        ):
             from launch.hf_extract import HFExtractor
 
             n = None if extractor is None else extractor.num_hidden_layers
@@ -117,9 +127,20 @@ class FakeVllm:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                 elif self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [
-                        {"id": server.served_name, "object": "model", "owned_by": "vllm",
-                         "root": server.model}]})
+                    self._send(
+                        200,
+                        {
+                            "object": "list",
+                            "data": [
+                                {
+                                    "id": server.served_name,
+                                    "object": "model",
+                                    "owned_by": "vllm",
+                                    "root": server.model,
+                                }
+                            ],
+                        },
+                    )
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -135,8 +156,13 @@ class FakeVllm:
 
     def complete(self, body: dict) -> tuple[int, dict]:
         if body.get("model") != self.served_name:
-            return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
-                                   "type": "NotFoundError", "code": 404}}
+            return 404, {
+                "error": {
+                    "message": f"The model `{body.get('model')}` does not exist.",
+                    "type": "NotFoundError",
+                    "code": 404,
+                }
+            }
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             return 400, {"error": {"message": "prompt must be a list of token ids"}}
@@ -173,8 +199,13 @@ class FakeVllm:
                     import torch
                     from safetensors.torch import save_file
 
-                    save_file({"hidden_states": hs.contiguous(),
-                               "token_ids": torch.from_numpy(token_ids)}, str(path))
+                    save_file(
+                        {
+                            "hidden_states": hs.contiguous(),
+                            "token_ids": torch.from_numpy(token_ids),
+                        },
+                        str(path),
+                    )
             finally:
                 if hold:
                     self.held_locks.append(lock_fd)
@@ -188,12 +219,25 @@ class FakeVllm:
         if self._take("mismatch", prompt):
             seen = seen[:-1]
         return 200, {
-            "id": req_id, "object": "text_completion", "created": int(time.time()),
+            "id": req_id,
+            "object": "text_completion",
+            "created": int(time.time()),
             "model": self.served_name,
-            "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length",
-                         "prompt_token_ids": seen, "token_ids": [0]}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
-                      "total_tokens": len(prompt) + 1},
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "x",
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "prompt_token_ids": seen,
+                    "token_ids": [0],
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": 1,
+                "total_tokens": len(prompt) + 1,
+            },
             "kv_transfer_params": {"hidden_states_path": str(path)},
         }
 
@@ -212,10 +256,10 @@ class FakeVllm:
         self.held_locks.clear()
 
 
-SHIM = '''import sys
+SHIM = """import sys
 from tests.launch.fake_vllm import serve_main
 sys.exit(serve_main(sys.argv[1:]))
-'''
+"""
 
 
 def install_vllm_shim(root: Path) -> Path:
@@ -248,10 +292,16 @@ def serve_main(argv: list[str]) -> int:
     layer_ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
     faults = json.loads(os.environ.get("FAKE_VLLM_FAULTS", "{}"))
     config = json.loads((Path(args.model) / "config.json").read_text())
-    srv = FakeVllm(args.model, args.served_model_name or args.model, layer_ids,
-                   kv["kv_connector_extra_config"]["shared_storage_path"], faults=faults,
-                   port=args.port, write_delay=0.05,
-                   synthetic_hidden_size=int(config["hidden_size"]))
+    srv = FakeVllm(
+        args.model,
+        args.served_model_name or args.model,
+        layer_ids,
+        kv["kv_connector_extra_config"]["shared_storage_path"],
+        faults=faults,
+        port=args.port,
+        write_delay=0.05,
+        synthetic_hidden_size=int(config["hidden_size"]),
+    )
     print(f"fake vllm serving {args.model} on {srv.base_url} layers {layer_ids}", flush=True)
     try:
         srv.httpd.serve_forever()

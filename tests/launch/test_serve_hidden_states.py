@@ -46,8 +46,9 @@ KEY_RE = re.compile(r"^cmpl-[0-9a-f]{32}$")
 
 def _post(url: str, body, raw: bytes | None = None) -> tuple[int, dict]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, json.loads(resp.read())
@@ -109,12 +110,23 @@ def test_file_backend_files_equal_hf_one_row(tmp_path, serve, extractor, referen
     # several requests in flight: forwards are serialized, answers stay per request
     jobs = list(enumerate(PROMPTS * 2))
     with cf.ThreadPoolExecutor(4) as pool:
-        paths = list(pool.map(lambda j: client.fetch(
-            j[0], j[1], out, num_slots=len(extractor.layer_ids),
-            hidden_size=extractor.hidden_size, dtype="bfloat16"), jobs))
+        paths = list(
+            pool.map(
+                lambda j: client.fetch(
+                    j[0],
+                    j[1],
+                    out,
+                    num_slots=len(extractor.layer_ids),
+                    hidden_size=extractor.hidden_size,
+                    dtype="bfloat16",
+                ),
+                jobs,
+            )
+        )
     for (i, ids), path in zip(jobs, paths):
-        want = save_hidden_states(ref_dir / f"hs_{i}.safetensors",
-                                  reference[i % len(PROMPTS)][0], ids)
+        want = save_hidden_states(
+            ref_dir / f"hs_{i}.safetensors", reference[i % len(PROMPTS)][0], ids
+        )
         # byte-identical to launch.extract_hidden_states --backend hf --batch-size 1
         assert path.read_bytes() == want.read_bytes(), i
     # the client took every lock, removed the .lock files and moved the files away
@@ -178,8 +190,9 @@ def test_greedy_token_of_every_prompt(tmp_path, serve, reference):
     assert len(list((tmp_path / "stage").glob("*.safetensors"))) == len(PROMPTS)
 
 
-def test_greedy_token_without_last_layer_and_without_model_call(tmp_path, serve, extractor,
-                                                                verifier_path, reference):
+def test_greedy_token_without_last_layer_and_without_model_call(
+    tmp_path, serve, extractor, verifier_path, reference
+):
     from launch.hf_extract import HFExtractor
 
     # layer N not stored: the token comes from the decoder's (post-norm) output
@@ -222,7 +235,8 @@ def test_mooncake_formats_round_trip(serve, reference, fmt):
         assert KEY_RE.match(params["handle"]) and params["handle"] == res["id"]
         if fmt == "packed":
             assert params["version"] == 1 and params["tensors"]["hidden_states"]["dtype"] == (
-                "torch.bfloat16")
+                "torch.bfloat16"
+            )
             assert params["metadata"]["num_tokens"] == len(p)
         else:
             assert params == {"handle": res["id"]}
@@ -284,7 +298,11 @@ def test_errors_models_and_health(tmp_path, serve, verifier_path):
     assert code == 200 and models["object"] == "list"
     entry = models["data"][0]
     assert {k: entry[k] for k in ("id", "object", "root", "owned_by")} == {
-        "id": SERVED, "object": "model", "root": verifier_path, "owned_by": "dspark-jax"}
+        "id": SERVED,
+        "object": "model",
+        "root": verifier_path,
+        "owned_by": "dspark-jax",
+    }
     # the client also accepts the root path as the model name
     assert ExtractorClient(srv.base_url + "/v1", verifier_path).check_model() == SERVED
 
@@ -292,8 +310,7 @@ def test_errors_models_and_health(tmp_path, serve, verifier_path):
     assert code == 404
     assert set(res["error"]) >= {"message", "type", "code"} and res["error"]["code"] == 404
     assert "other" in res["error"]["message"]
-    for bad in (["a", "b"], [1.5], [], [True, 2], "hello", [[1, 2]], [-1], [4096],
-                [1] * 4097):
+    for bad in (["a", "b"], [1.5], [], [True, 2], "hello", [[1, 2]], [-1], [4096], [1] * 4097):
         code, res = _post(url, _body(bad))
         assert code == 400, bad
         assert res["error"]["type"] == "BadRequestError" and res["error"]["code"] == 400
@@ -326,12 +343,27 @@ def test_extraction_failure_answers_500(tmp_path, serve):
 def test_cli_file_backend_round_trip_and_sigterm(tmp_path, extractor, reference):
     stage, out = tmp_path / "stage", tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "launch.serve_hidden_states", "configs/demo/verifier",
-           "--target-layer-ids", *map(str, DEMO_TARGET_LAYERS), "--port", "0",
-           "--hidden-states-backend", "file", "--hidden-states-path", str(stage),
-           "--device", "cpu", "--threads", str(torch.get_num_threads())]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.serve_hidden_states",
+        "configs/demo/verifier",
+        "--target-layer-ids",
+        *map(str, DEMO_TARGET_LAYERS),
+        "--port",
+        "0",
+        "--hidden-states-backend",
+        "file",
+        "--hidden-states-path",
+        str(stage),
+        "--device",
+        "cpu",
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: queue.Queue[str] = queue.Queue()
     log: list[str] = []
 
@@ -350,17 +382,21 @@ def test_cli_file_backend_round_trip_and_sigterm(tmp_path, extractor, reference)
                 line = lines.get(timeout=1)
             except queue.Empty:
                 continue
-            m = re.search(r"serving configs/demo/verifier as configs/demo/verifier on "
-                          r"(http://127\.0\.0\.1:\d+)/v1 \(layers \[1, 2, 3, 4\], backend file",
-                          line)
+            m = re.search(
+                r"serving configs/demo/verifier as configs/demo/verifier on "
+                r"(http://127\.0\.0\.1:\d+)/v1 \(layers \[1, 2, 3, 4\], backend file",
+                line,
+            )
             base = m and m.group(1)
         assert _get(base + "/health")[0] == 200
-        client = VllmClient(base + "/v1", "configs/demo/verifier", retry_backoff=0.01,
-                            lock_timeout=10)
+        client = VllmClient(
+            base + "/v1", "configs/demo/verifier", retry_backoff=0.01, lock_timeout=10
+        )
         client.check_model()
         p = PROMPTS[0]
-        path = client.fetch(0, p, out, num_slots=4, hidden_size=extractor.hidden_size,
-                            dtype="bfloat16")
+        path = client.fetch(
+            0, p, out, num_slots=4, hidden_size=extractor.hidden_size, dtype="bfloat16"
+        )
         want = save_hidden_states(tmp_path / "ref.safetensors", reference[0][0], p)
         assert path.read_bytes() == want.read_bytes()
         proc.send_signal(signal.SIGTERM)

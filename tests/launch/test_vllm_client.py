@@ -34,8 +34,15 @@ def fake(tmp_path, verifier_path, extractor):
     servers = []
 
     def make(faults=None, served="demo-verifier", write_delay=0.2):
-        srv = FakeVllm(verifier_path, served, extractor.layer_ids, tmp_path / "stage",
-                       extractor=extractor, faults=faults, write_delay=write_delay).start()
+        srv = FakeVllm(
+            verifier_path,
+            served,
+            extractor.layer_ids,
+            tmp_path / "stage",
+            extractor=extractor,
+            faults=faults,
+            write_delay=write_delay,
+        ).start()
         servers.append(srv)
         return srv
 
@@ -45,19 +52,44 @@ def fake(tmp_path, verifier_path, extractor):
 
 
 def _args(small_prepared, out, *extra):
-    return ehs.parse_args([
-        "--backend", "vllm", "--model", str(REPO / "configs/demo/verifier"),
-        "--preprocessed-data", str(small_prepared), "--output", str(out),
-        "--target-layer-ids", *map(str, DEMO_TARGET_LAYERS), "--max-samples", str(N_ROWS),
-        "--retry-backoff", "0.01", "--concurrency", "3", "--lock-timeout", "5", *extra])
+    return ehs.parse_args(
+        [
+            "--backend",
+            "vllm",
+            "--model",
+            str(REPO / "configs/demo/verifier"),
+            "--preprocessed-data",
+            str(small_prepared),
+            "--output",
+            str(out),
+            "--target-layer-ids",
+            *map(str, DEMO_TARGET_LAYERS),
+            "--max-samples",
+            str(N_ROWS),
+            "--retry-backoff",
+            "0.01",
+            "--concurrency",
+            "3",
+            "--lock-timeout",
+            "5",
+            *extra,
+        ]
+    )
 
 
-def test_files_moved_validated_and_equal_to_hf(tmp_path, small_prepared, fake, rows, extractor,
-                                               verifier_path):
+def test_files_moved_validated_and_equal_to_hf(
+    tmp_path, small_prepared, fake, rows, extractor, verifier_path
+):
     srv = fake(write_delay=0.3)  # files appear only after the answer: the lock must be waited on
     out = tmp_path / "hs"
-    args = _args(small_prepared, out, "--endpoint", srv.base_url + "/v1",
-                 "--served-model-name", "demo-verifier")
+    args = _args(
+        small_prepared,
+        out,
+        "--endpoint",
+        srv.base_url + "/v1",
+        "--served-model-name",
+        "demo-verifier",
+    )
     args.model = verifier_path
     summary = ehs.run(args)
     assert summary.written == N_ROWS and not summary.failed
@@ -77,8 +109,9 @@ def test_files_moved_validated_and_equal_to_hf(tmp_path, small_prepared, fake, r
         assert body["return_token_ids"] is True and body["prompt"] in rows
 
 
-def test_server_errors_are_retried_then_reported(tmp_path, small_prepared, fake, rows, caplog,
-                                                 verifier_path):
+def test_server_errors_are_retried_then_reported(
+    tmp_path, small_prepared, fake, rows, caplog, verifier_path
+):
     first = rows[0][0]
     assert all(r[0] == first for r in rows)  # chat template: every row starts alike
     srv = fake(faults={"*": {"http_500": 2}})
@@ -103,8 +136,9 @@ def test_token_mismatch_and_bad_files(tmp_path, small_prepared, fake, rows, veri
     # a wrong answer, then a file with wrong token ids: each round trip is repeated
     for i, fault in enumerate(("mismatch", "bad_file_tokens")):
         srv = fake(faults={"*": {fault: 1}})
-        ok = VllmClient(srv.base_url + "/v1", "demo-verifier", validation_retries=1,
-                        retry_backoff=0.01)
+        ok = VllmClient(
+            srv.base_url + "/v1", "demo-verifier", validation_retries=1, retry_backoff=0.01
+        )
         ok.fetch(i, rows[i], tmp_path, num_slots=4, hidden_size=None, dtype="bfloat16")
         assert len(srv.requests) == 2, fault
         assert load_file(tmp_path / f"hs_{i}.safetensors")["token_ids"].tolist() == rows[i]
@@ -127,21 +161,32 @@ def test_token_mismatch_and_bad_files(tmp_path, small_prepared, fake, rows, veri
 
 def test_lock_is_honoured(tmp_path, fake, rows):
     srv = fake(faults={"*": {"hold_lock": True}}, write_delay=0.0)
-    client = VllmClient(srv.base_url + "/v1", "demo-verifier", validation_retries=0,
-                        lock_timeout=0.5)
+    client = VllmClient(
+        srv.base_url + "/v1", "demo-verifier", validation_retries=0, lock_timeout=0.5
+    )
     with pytest.raises(SampleError, match="waiting for the writer's lock"):
         client.fetch(0, rows[0], tmp_path, num_slots=4, hidden_size=None, dtype="bfloat16")
     assert not (tmp_path / "hs_0.safetensors").exists()
 
 
-def test_run_reports_failures_and_fail_on_error(tmp_path, small_prepared, fake, rows,
-                                                verifier_path):
+def test_run_reports_failures_and_fail_on_error(
+    tmp_path, small_prepared, fake, rows, verifier_path
+):
     # only the row starting with a given first token fails; every row starts alike, so
     # fail everything and check the summary and the exit status
     srv = fake(faults={"*": {"http_500": 100}})
-    args = _args(small_prepared, tmp_path / "o", "--endpoint", srv.base_url + "/v1",
-                 "--served-model-name", "demo-verifier", "--max-retries", "0",
-                 "--max-consecutive-errors", "100")
+    args = _args(
+        small_prepared,
+        tmp_path / "o",
+        "--endpoint",
+        srv.base_url + "/v1",
+        "--served-model-name",
+        "demo-verifier",
+        "--max-retries",
+        "0",
+        "--max-consecutive-errors",
+        "100",
+    )
     args.model = verifier_path
     summary = ehs.run(args)
     assert summary.written == 0 and sorted(summary.failed) == list(range(N_ROWS))
@@ -162,16 +207,24 @@ def test_served_model_must_match(tmp_path, fake, rows):
 
 
 def test_serve_command_matches_reference_launcher(verifier_path):
-    cmd = serve_command("m", [1, 2, 3, 4], {"kv_connector": "ExampleHiddenStatesConnector",
-                                            "kv_role": "kv_producer",
-                                            "kv_connector_extra_config": {
-                                                "shared_storage_path": "/x"}},
-                        ["--port", "9"], python="py")
+    cmd = serve_command(
+        "m",
+        [1, 2, 3, 4],
+        {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": "/x"},
+        },
+        ["--port", "9"],
+        python="py",
+    )
     assert cmd[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "m"]
     spec = json.loads(cmd[cmd.index("--speculative_config") + 1])
-    assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                    "draft_model_config": {"hf_config": {
-                        "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}}}
+    assert spec == {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}},
+    }
     assert cmd[-2:] == ["--port", "9"]
 
 
@@ -181,18 +234,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_launches_server_waits_for_health_and_stops_it(tmp_path, small_prepared, monkeypatch,
-                                                       verifier_path, extractor, rows, capsys):
+def test_launches_server_waits_for_health_and_stops_it(
+    tmp_path, small_prepared, monkeypatch, verifier_path, extractor, rows, capsys
+):
     shim = install_vllm_shim(tmp_path / "shim")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim), str(REPO)]))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     port = _free_port()
     out = tmp_path / "hs"
-    argv = ["--backend", "vllm", "--model", verifier_path, "--preprocessed-data",
-            str(small_prepared), "--output", str(out), "--target-layer-ids",
-            *map(str, DEMO_TARGET_LAYERS), "--max-samples", "3", "--retry-backoff", "0.01",
-            "--vllm-python", sys.executable, "--health-timeout", "120", "--dtype", "float32",
-            "--", "--port", str(port), "--served-model-name", "demo", "--max-model-len", "4096"]
+    argv = [
+        "--backend",
+        "vllm",
+        "--model",
+        verifier_path,
+        "--preprocessed-data",
+        str(small_prepared),
+        "--output",
+        str(out),
+        "--target-layer-ids",
+        *map(str, DEMO_TARGET_LAYERS),
+        "--max-samples",
+        "3",
+        "--retry-backoff",
+        "0.01",
+        "--vllm-python",
+        sys.executable,
+        "--health-timeout",
+        "120",
+        "--dtype",
+        "float32",
+        "--",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "demo",
+        "--max-model-len",
+        "4096",
+    ]
     assert ehs.main(["--dry-run", *argv]) == 0
     printed = capsys.readouterr().out
     assert "vllm.entrypoints.cli.main serve" in printed and '"shared_storage_path"' in printed
@@ -217,18 +295,54 @@ def test_launch_vllm_accepts_the_seed_command(verifier_path):
     from launch.launch_vllm import build
 
     pytest.importorskip("hs_connectors")
-    cmd, dry = build([
-        verifier_path, "--hidden-states-backend", "mooncake", "--mooncake-master", "h:50051",
-        "--mooncake-metadata-server", "P2PHANDSHAKE", "--mooncake-protocol", "tcp",
-        "--mooncake-global-segment-gib", "32", "--mooncake-local-buffer-gib", "4",
-        "--mooncake-writer-threads", "4", "--target-layer-ids", "1", "2", "3",
-        "--trust-remote-code", "--dry-run", "--", "--served-model-name", "demo",
-        "--tensor-parallel-size", "8", "--nnodes", "2", "--node-rank", "0", "--port", "8000",
-        "--max-model-len", "8193", "--no-enable-prefix-caching", "--language-model-only"])
+    cmd, dry = build(
+        [
+            verifier_path,
+            "--hidden-states-backend",
+            "mooncake",
+            "--mooncake-master",
+            "h:50051",
+            "--mooncake-metadata-server",
+            "P2PHANDSHAKE",
+            "--mooncake-protocol",
+            "tcp",
+            "--mooncake-global-segment-gib",
+            "32",
+            "--mooncake-local-buffer-gib",
+            "4",
+            "--mooncake-writer-threads",
+            "4",
+            "--target-layer-ids",
+            "1",
+            "2",
+            "3",
+            "--trust-remote-code",
+            "--dry-run",
+            "--",
+            "--served-model-name",
+            "demo",
+            "--tensor-parallel-size",
+            "8",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--port",
+            "8000",
+            "--max-model-len",
+            "8193",
+            "--no-enable-prefix-caching",
+            "--language-model-only",
+        ]
+    )
     assert dry and cmd[3:5] == ["serve", verifier_path]
     spec = json.loads(cmd[cmd.index("--speculative_config") + 1])
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
-        1, 2, 3, 4]
+        1,
+        2,
+        3,
+        4,
+    ]
     kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
     assert kv["kv_connector"] == "MooncakeHiddenStatesConnector"
     moon = kv["kv_connector_extra_config"]["mooncake"]
@@ -239,5 +353,7 @@ def test_launch_vllm_accepts_the_seed_command(verifier_path):
     assert "--" not in tail and len(tail) == 14
     file_cmd, _ = build([verifier_path, "--hidden-states-path", "/x", "--target-layer-ids", "2"])
     assert json.loads(file_cmd[file_cmd.index("--kv_transfer_config") + 1]) == {
-        "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": "/x"}}
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": "/x"},
+    }
