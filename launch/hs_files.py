@@ -21,6 +21,7 @@ settings is refused instead of mixing files.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from dspark_jax.data.hs_names import (  # noqa: F401 (re-exported to launch/)
 CONFIG_NAME = EXTRACTION_CONFIG
 PARTIAL_RE = re.compile(r"^\.hs_\d+\.safetensors\.partial-\d+$")
 FINAL_RE = re.compile(r"^hs_(\d+)\.safetensors$")
+log = logging.getLogger("launch.hs_files")
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -302,16 +304,19 @@ def resolve_layer_ids(
     num_hidden_layers: int,
     include_last_layer: bool = True,
 ) -> list[int]:
-    """The layer ids a file's slots hold, in order (vLLM's convention).
+    """The layer ids a file's slots hold, in slot order: every backend's one source.
 
-    ``target_layer_ids`` names the aux layers; ``None`` means the reference default
-    ``[2, N // 2, N - 3]``. The last layer ``N`` is appended (``include_last_layer``)
-    unless already present, as speculators' ``launch_vllm.py`` does. Layer id ``k`` is
-    the residual stream after ``k`` decoder layers (0 = embeddings).
+    As speculators 0.9.0's ``scripts/launch_vllm.py``: ``None`` means
+    ``[2, N // 2, N - 3, N]`` whatever ``include_last_layer`` says; explicit ids get
+    ``N`` appended (``include_last_layer``) unless present. Then sorted ascending,
+    because vLLM 0.33.0 captures aux layers in that order whatever order they were
+    typed in (``interfaces.py``: ``tuple(sorted(set(layers)))``); ``N``, the largest
+    id, is therefore always the last slot. Layer id ``k`` is the residual stream
+    after ``k`` decoder layers (0 = embeddings).
     """
     n = num_hidden_layers
     explicit = target_layer_ids is not None
-    ids = list(target_layer_ids) if explicit else [2, n // 2, n - 3]
+    ids = list(target_layer_ids) if explicit else [2, n // 2, n - 3, n]
     if not ids or min(ids) < 0 or max(ids) > n or len(set(ids)) != len(ids):
         what = "--target-layer-ids" if explicit else "the default target layer ids"
         raise ValueError(
@@ -321,4 +326,12 @@ def resolve_layer_ids(
         )
     if include_last_layer and n not in ids:
         ids.append(n)
-    return ids
+    if ids != sorted(ids):
+        log.warning(
+            "--target-layer-ids %s: vLLM captures layers in ascending order, so the "
+            "hidden states hold layers %s; pass the trainer --target-layer-ids %s",
+            list(target_layer_ids),
+            sorted(ids),
+            " ".join(str(k) for k in sorted(ids) if k != n),
+        )
+    return sorted(ids)
