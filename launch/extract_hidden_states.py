@@ -1,8 +1,9 @@
 """Extract verifier hidden states for a prepared dataset: ``hs_{i}.safetensors`` files.
 
 Two backends write identical files (docs/formats.md, "Hidden-state files"): ``hidden_states``
-``[T, n_aux + 1, H]`` in the model dtype, slots in ``--target-layer-ids`` order
-followed by the last layer (pre-norm), and ``token_ids`` int64 ``[T]``.
+``[T, n_aux + 1, H]`` in the model dtype, one slot per layer id in ascending order
+(as vLLM captures them), the last one the last layer (pre-norm), and ``token_ids``
+int64 ``[T]``.
 
 * ``--backend hf``: transformers on CPU or GPU, forward hooks, batched by a token
   budget.
@@ -14,7 +15,10 @@ followed by the last layer (pre-norm), and ``token_ids`` int64 ``[T]``.
 
 Layer id ``k`` = residual stream after ``k`` decoder layers (0 = embeddings);
 ``--target-layer-ids`` excludes the final layer, which is appended
-(``--no-include-last-layer`` to not). Default ids: ``[2, N//2, N-3]``.
+(``--no-include-last-layer`` to not). Default ids: ``[2, N//2, N-3, N]``, as
+speculators' launcher. ``--dtype auto`` is the dtype vLLM 0.33.0 would pick on a GPU
+of ``--compute-capability`` (a float32 config: bf16 from 8.0), for both backends;
+the vllm backend passes it to ``vllm serve --dtype``.
 
 Resumable: files already present and valid (header, shape, dtype, token ids) are
 skipped; invalid ones are regenerated; every file appears by an atomic rename,
@@ -195,6 +199,7 @@ def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Sum
         args.target_layer_ids,
         include_last_layer=args.include_last_layer,
         dtype=args.dtype,
+        compute_capability=args.compute_capability,
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )
@@ -235,47 +240,55 @@ def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Sum
 # --------------------------------------------------------------------------------------
 
 
-def _config_geometry(model: str, trust_remote_code: bool) -> tuple[int, int, str | None]:
+def verifier_config(model: str, trust_remote_code: bool):
+    """(the transformers config, its text config) of the verifier."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    cfg = getattr(cfg, "text_config", None) or cfg
-    dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-    dt = None if dt is None else str(dt).removeprefix("torch.")
-    return int(cfg.num_hidden_layers), int(cfg.hidden_size), dt
+    full = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    return full, getattr(full, "text_config", None) or full
 
 
-_VLLM_DTYPES = {
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "float": "float32",
-    "float32": "float32",
-}
-
-
-def expected_vllm_dtype(
-    ours: str, vllm_args: Sequence[str], config_dtype: str | None
-) -> str | None:
-    """The dtype the server's files will have: ours (``--dtype``), else vLLM's
-    ``--dtype`` after ``--``, else the model config's."""
+def served_dtype(args, config) -> str:
+    """The dtype vLLM serves in: ``--dtype``, else vLLM's ``--dtype`` after ``--``,
+    resolved as vLLM 0.33.0 does on a GPU of ``--compute-capability``."""
     from launch.vllm_backend import option_value
+    from launch.vllm_dtype import DTYPE_NAMES, serving_dtype, target_capability
 
-    if ours != "auto":
-        return ours
-    theirs = option_value(vllm_args, "--dtype")
-    if theirs and theirs != "auto":
-        return _VLLM_DTYPES.get(theirs, theirs)
-    return config_dtype
+    theirs = option_value(args.vllm_args, "--dtype") or "auto"
+    ours = args.dtype.lower()
+    if "auto" not in (ours, theirs.lower()) and DTYPE_NAMES.get(ours) != DTYPE_NAMES.get(
+        theirs.lower()
+    ):
+        raise ValueError(f"--dtype {args.dtype} and vLLM's --dtype {theirs} (after --) disagree")
+    requested = theirs if ours == "auto" else ours
+    capability = target_capability(args.compute_capability)
+    return serving_dtype(requested, config, args.model, capability)
+
+
+def serve_args(args, config) -> tuple[list[int], str, list[str]]:
+    """(layer ids, served dtype, vLLM args with that ``--dtype``) of the server; refuses
+    an MLA verifier (the file connector cannot serve it)."""
+    from launch.mla import file_transport_refusal
+    from launch.vllm_backend import set_option
+
+    full, text = config
+    refusal = file_transport_refusal(full, args.model)
+    if refusal:
+        raise ValueError(refusal)
+    n_layers = int(text.num_hidden_layers)
+    layer_ids = resolve_layer_ids(args.target_layer_ids, n_layers, args.include_last_layer)
+    dtype = served_dtype(args, full)
+    return layer_ids, dtype, set_option(args.vllm_args, "--dtype", dtype)
 
 
 def run_vllm(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Summary) -> None:
     from launch import vllm_backend as vb
 
-    n_layers, hidden, cfg_dtype = _config_geometry(args.model, args.trust_remote_code)
-    layer_ids = resolve_layer_ids(args.target_layer_ids, n_layers, args.include_last_layer)
+    config = verifier_config(args.model, args.trust_remote_code)
+    n_layers, hidden = int(config[1].num_hidden_layers), int(config[1].hidden_size)
+    layer_ids, model_dtype, vllm_args = serve_args(args, config)
     fp8 = args.hidden_states_backend == "fp8"
-    dtype = None if fp8 else expected_vllm_dtype(args.dtype, args.vllm_args, cfg_dtype)
+    dtype = None if fp8 else model_dtype
     staging = Path(args.hidden_states_path or out_dir / ".staging").resolve()
     served = args.served_model_name or vb.option_value(args.vllm_args, "--served-model-name")
 
@@ -306,7 +319,7 @@ def run_vllm(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: S
         args.model,
         layer_ids,
         vb.file_kv_transfer_config(staging, fp8=fp8),
-        args.vllm_args,
+        vllm_args,
         python=args.vllm_python,
     )
     if args.endpoint:
@@ -460,7 +473,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=None,
-        help="aux layer ids, without the final layer (appended); default [2, N//2, N-3]",
+        help="aux layer ids, without the final layer (appended); stored in ascending order; "
+        "default [2, N//2, N-3, N]",
     )
     ap.add_argument("--include-last-layer", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--max-samples", type=int, default=None)
@@ -470,7 +484,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--dtype",
         default="auto",
-        help="hf: model dtype (auto = the config's); vllm: expected file dtype",
+        help="model dtype, passed to vllm serve (auto: what vLLM 0.33.0 picks on a GPU of "
+        "--compute-capability; a float32 config gives bfloat16 from 8.0)",
+    )
+    ap.add_argument(
+        "--compute-capability",
+        default=None,
+        help="GPU class the verifier runs on, for --dtype auto (default: this machine's "
+        "GPU, else 8.0)",
     )
     g = ap.add_argument_group("hf backend")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
@@ -579,15 +600,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         from launch import vllm_backend as vb
 
-        n_layers, _, _ = _config_geometry(args.model, args.trust_remote_code)
-        ids = resolve_layer_ids(args.target_layer_ids, n_layers, args.include_last_layer)
+        ids, _, vllm_args = serve_args(args, verifier_config(args.model, args.trust_remote_code))
         out_dir = Path(args.output or Path(args.preprocessed_data) / "hidden_states")
         staging = Path(args.hidden_states_path or out_dir / ".staging").resolve()
         cmd = vb.serve_command(
             args.model,
             ids,
             vb.file_kv_transfer_config(staging, fp8=args.hidden_states_backend == "fp8"),
-            args.vllm_args,
+            vllm_args,
             python=args.vllm_python,
         )
         print(shlex.join(cmd))

@@ -7,6 +7,9 @@ layer 0 (the embeddings), ``k >= 1`` the output of decoder layer ``k - 1``; so
 captured with forward hooks on the decoder layers, never read from
 ``output_hidden_states`` (whose last entry is post-norm).
 
+``dtype="auto"`` is the dtype vLLM 0.33.0 would serve the verifier in on a GPU of
+``compute_capability`` (:mod:`launch.vllm_dtype`), so hf files match vLLM's.
+
 Rows of a batch are right-padded; with causal attention the real positions never
 see the padding, but a batched forward may differ from a one-row forward in the
 last bits (different kernel shapes). ``batch_size=1`` reproduces a direct forward
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from launch.hs_files import dtype_name, resolve_layer_ids
+from launch.vllm_dtype import serving_dtype, target_capability
 
 
 def _text_config(config):
@@ -45,15 +49,15 @@ class HFExtractor:
         *,
         include_last_layer: bool = True,
         dtype: str = "auto",
+        compute_capability: str | None = None,
         device: str = "auto",
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = _text_config(
-            AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        )
+        full = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        config = _text_config(full)
         self.num_hidden_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         self.layer_ids = resolve_layer_ids(
@@ -61,8 +65,9 @@ class HFExtractor:
         )
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = serving_dtype(dtype, full, model, target_capability(compute_capability))
         kwargs = {
-            "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
+            "dtype": getattr(torch, dtype),
             "trust_remote_code": trust_remote_code,
         }
         if attn_implementation:

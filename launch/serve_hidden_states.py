@@ -8,7 +8,8 @@ protocol"; client side: dspark_jax/data/online/client.py), so that online traini
 
     python -m launch.serve_hidden_states MODEL [--target-layer-ids IDS ...]
         [--[no-]include-last-layer] [--host 127.0.0.1] [--port 8000]
-        [--served-model-name NAME] [--dtype auto] [--device auto|cpu|cuda]
+        [--served-model-name NAME] [--dtype auto] [--compute-capability 9.0]
+        [--device auto|cpu|cuda]
         [--trust-remote-code] [--max-model-len N] [--threads N]
         --hidden-states-backend file|mooncake
         [--hidden-states-path DIR]                      (file; default /tmp/hidden_states)
@@ -32,6 +33,11 @@ last position, computed from the same forward) and ``kv_transfer_params``:
   polls anyway); ``packed`` (hs_connectors 0.9.0): the answer carries the
   manifest; ``per-tensor`` (the Kimi-K3 example branch): ``{"handle": KEY}``. A
   failed publish puts the ``KEY:error`` marker and answers 500.
+
+As vLLM 0.33.0 would: the layer ids are ascending whatever order they were given in
+(:func:`launch.hs_files.resolve_layer_ids`), and ``--dtype auto`` is the dtype vLLM
+picks on a GPU of ``--compute-capability`` (a float32 config is served in bf16 from
+8.0; :mod:`launch.vllm_dtype`).
 
 Stored tensors: ``hidden_states`` [T, n_layers, H] in the model dtype and
 ``token_ids`` int64 [T], exactly :meth:`launch.hf_extract.HFExtractor.extract`
@@ -615,7 +621,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=None,
-        help="aux layer ids, without the final layer (appended); default [2, N//2, N-3]",
+        help="aux layer ids, without the final layer (appended); served in ascending "
+        "order; default [2, N//2, N-3, N]",
     )
     ap.add_argument(
         "--include-last-layer",
@@ -626,7 +633,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: any free port (see the log)")
     ap.add_argument("--served-model-name", default=None, help="model id (default: MODEL)")
-    ap.add_argument("--dtype", default="auto", help="model dtype (auto: the config's)")
+    ap.add_argument(
+        "--dtype", default="auto", help="model dtype (auto: what vLLM 0.33.0 would pick)"
+    )
+    ap.add_argument(
+        "--compute-capability",
+        default=None,
+        help="GPU class whose vLLM --dtype auto to imitate (default: this machine's GPU, else 8.0)",
+    )
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument(
@@ -711,6 +725,7 @@ def build_server(args: argparse.Namespace) -> HiddenStatesServer:
         args.target_layer_ids,
         include_last_layer=args.include_last_layer,
         dtype=args.dtype,
+        compute_capability=args.compute_capability,
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )

@@ -54,6 +54,8 @@ log = logging.getLogger("launch.vllm")
 
 FILE_CONNECTOR = "ExampleHiddenStatesConnector"
 FP8_CONNECTOR = "FP8HiddenStatesConnector"
+# connectors that write files (the fp8 one subclasses the file one); they refuse MLA
+FILE_CONNECTORS = (FILE_CONNECTOR, FP8_CONNECTOR)
 
 
 class SampleError(RuntimeError):
@@ -122,6 +124,26 @@ def option_value(args: Sequence[str], name: str) -> str | None:
             if a.startswith(n + "="):
                 return a.split("=", 1)[1]
     return None
+
+
+def set_option(args: Sequence[str], name: str, value: str) -> list[str]:
+    """``args`` with ``--name value``: any ``--name X`` / ``--name=X`` (also the ``_``
+    spelling) replaced in place, else appended."""
+    names = {name, name.replace("-", "_")}
+    out: list[str] = []
+    placed, skip = False, False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in names or any(a.startswith(n + "=") for n in names):
+            skip = a in names
+            if not placed:
+                out += [name, value]
+                placed = True
+            continue
+        out.append(a)
+    return out if placed else [*out, name, value]
 
 
 class VllmServer:
