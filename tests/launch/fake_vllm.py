@@ -9,8 +9,16 @@ file is created and exclusively flocked before the answer is sent, the
 safetensors file is written afterwards by a writer thread, which then releases
 the lock. In-process, hidden states come from a real HF forward of the verifier
 (:class:`launch.hf_extract.HFExtractor`), so the files must equal the hf
-backend's; the subprocess form (``serve_main``) writes deterministic float32
-values with numpy only, so that it starts in a fraction of a second.
+backend's; the subprocess form (``serve_main``) writes deterministic values that
+depend on the layer id, with numpy only, so that it starts in a fraction of a second.
+
+It imitates vLLM 0.33.0 where our launchers could get it wrong, independently of
+their code: layers are captured in ascending order whatever order
+``eagle_aux_hidden_state_layer_ids`` lists them in (``interfaces.py``:
+``tuple(sorted(set(layers)))``); the subprocess form serves in the dtype vLLM's
+``--dtype`` picks (``auto``: the config's, float32 downcast to the GPU's first
+supported dtype) on a GPU of compute capability ``FAKE_VLLM_CAPABILITY`` (default
+9.0, an H200), and refuses MLA verifiers with the file connector, as vLLM does.
 
 Fault injection (``faults`` dict, or JSON in ``FAKE_VLLM_FAULTS`` for the
 subprocess form), keyed by the prompt's first token or ``"*"``:
@@ -36,14 +44,44 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
-def synthetic_hidden_states(prompt: list[int], n_slots: int, hidden: int):
-    """Deterministic float32 stand-in values (numpy only: a fast-starting server)."""
+def synthetic_hidden_states(
+    prompt: list[int], layer_ids: list[int], hidden: int, dtype: str = "float32"
+):
+    """Deterministic stand-in values of layers ``layer_ids``, in that slot order (numpy
+    only: a fast-starting server)."""
+    import ml_dtypes
     import numpy as np
 
     t = np.asarray(prompt, dtype=np.float32)[:, None, None]
-    k = np.arange(n_slots, dtype=np.float32)[None, :, None]
+    k = np.asarray(layer_ids, dtype=np.float32)[None, :, None]
     h = np.arange(hidden, dtype=np.float32)[None, None, :]
-    return np.sin(0.01 * t + 0.1 * k + 0.001 * h).astype(np.float32)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    return np.sin(0.01 * t + 0.1 * k + 0.001 * h).astype(np_dtype)
+
+
+def vllm_dtype(requested: str, config: dict, capability: float) -> str:
+    """vLLM 0.33.0's model dtype (config/model.py ``_get_and_verify_dtype``,
+    platforms/cuda.py ``supported_dtypes``) for a config.json that names its dtype."""
+    names = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
+    names |= {"float": "float32", "float32": "float32"}
+    if requested.lower() != "auto":
+        return names[requested.lower()]
+    if capability >= 8.0:
+        supported = ["bfloat16", "float16", "float32"]
+    elif capability >= 6.0:
+        supported = ["float16", "float32"]
+    else:
+        supported = ["float32"]
+    own = config.get("dtype") or config.get("torch_dtype") or "float32"
+    own = supported[0] if own == "float32" else own
+    return own if own in supported else supported[0]
+
+
+def is_mla(config: dict) -> bool:
+    """The MLA verifiers the tests use (vLLM's ``is_deepseek_mla``, abridged)."""
+    text = config.get("text_config") or config
+    mla_types = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+    return text.get("model_type") in mla_types and text.get("kv_lora_rank") is not None
 
 
 class FakeVllm:
@@ -58,9 +96,14 @@ class FakeVllm:
         port: int = 0,
         write_delay: float = 0.2,
         synthetic_hidden_size: int | None = None,
+        synthetic_dtype: str = "float32",
     ):
         self.model, self.served_name = model, served_name
-        self.layer_ids, self.storage = list(layer_ids), Path(storage)
+        # vLLM captures the aux layers in ascending order, whatever the config lists
+        if len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"duplicate layer ids {layer_ids} (vLLM's buffer would not fit)")
+        self.layer_ids, self.storage = sorted(layer_ids), Path(storage)
+        self.synthetic_dtype = synthetic_dtype
         self.faults = faults or {}
         self.write_delay = write_delay
         self.counts: dict[tuple, int] = {}
@@ -176,7 +219,9 @@ class FakeVllm:
         import numpy as np
 
         if self.synthetic_hidden_size:
-            hs = synthetic_hidden_states(prompt, len(self.layer_ids), self.synthetic_hidden_size)
+            hs = synthetic_hidden_states(
+                prompt, self.layer_ids, self.synthetic_hidden_size, self.synthetic_dtype
+            )
         else:
             with self.lock:  # HFExtractor's hooks are not thread-safe
                 hs = self.extractor.extract([prompt])[0]
@@ -276,7 +321,7 @@ def install_vllm_shim(root: Path) -> Path:
 
 def serve_main(argv: list[str]) -> int:
     """``serve MODEL --speculative_config J --kv_transfer_config J [--port P]
-    [--served-model-name N] ...`` (unknown vLLM flags are ignored)."""
+    [--served-model-name N] [--dtype D] ...`` (unknown vLLM flags are ignored)."""
     assert argv and argv[0] == "serve", argv
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -284,6 +329,7 @@ def serve_main(argv: list[str]) -> int:
     ap.add_argument("--kv_transfer_config", "--kv-transfer-config", required=True)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--dtype", default="auto")
     args, _unknown = ap.parse_known_args(argv[1:])
     spec = json.loads(args.speculative_config)
     kv = json.loads(args.kv_transfer_config)
@@ -292,6 +338,12 @@ def serve_main(argv: list[str]) -> int:
     layer_ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
     faults = json.loads(os.environ.get("FAKE_VLLM_FAULTS", "{}"))
     config = json.loads((Path(args.model) / "config.json").read_text())
+    if is_mla(config):  # vLLM's file connector, once the model has loaded
+        raise ValueError(
+            "Could not uniquely identify the extract-hidden-states KV cache group "
+            "(MLA verifiers are unsupported)."
+        )
+    dtype = vllm_dtype(args.dtype, config, float(os.environ.get("FAKE_VLLM_CAPABILITY", "9.0")))
     srv = FakeVllm(
         args.model,
         args.served_model_name or args.model,
@@ -301,8 +353,12 @@ def serve_main(argv: list[str]) -> int:
         port=args.port,
         write_delay=0.05,
         synthetic_hidden_size=int(config["hidden_size"]),
+        synthetic_dtype=dtype,
     )
-    print(f"fake vllm serving {args.model} on {srv.base_url} layers {layer_ids}", flush=True)
+    print(
+        f"fake vllm serving {args.model} on {srv.base_url} layers {srv.layer_ids} dtype {dtype}",
+        flush=True,
+    )
     try:
         srv.httpd.serve_forever()
     except KeyboardInterrupt:

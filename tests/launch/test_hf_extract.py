@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,6 +13,7 @@ from launch.hf_extract import HFExtractor
 from launch.hs_files import resolve_layer_ids
 
 from .conftest import DEMO_TARGET_LAYERS
+from .test_launch_vllm import speculators_launcher_ids
 
 
 def _ids(tok, text="def add(a, b):\n    return a + b\n"):
@@ -60,7 +64,12 @@ def test_layer_id_resolution():
     assert resolve_layer_ids([1, 2, 3], 4) == [1, 2, 3, 4]
     assert resolve_layer_ids([1, 4], 4) == [1, 4]  # final layer already present
     assert resolve_layer_ids([1, 2], 4, include_last_layer=False) == [1, 2]
-    assert resolve_layer_ids(None, 36) == [2, 18, 33, 36]  # speculators' default
+    # ascending, as vLLM captures them; the final layer is then always last
+    assert resolve_layer_ids([3, 1, 2], 4) == [1, 2, 3, 4]
+    assert resolve_layer_ids([4, 2, 1], 4, include_last_layer=False) == [1, 2, 4]
+    for last in (True, False):  # speculators' launcher: the same default either way
+        want = speculators_launcher_ids(36, None, last)
+        assert resolve_layer_ids(None, 36, include_last_layer=last) == want == [2, 18, 33, 36]
     with pytest.raises(ValueError, match="default target layer ids"):
         resolve_layer_ids(None, 4)  # [2, 2, 1]: duplicates
     with pytest.raises(ValueError, match="within"):
@@ -83,10 +92,10 @@ def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, extracto
             str(small_prepared),
             "--output",
             str(out),
-            "--target-layer-ids",
+            "--target-layer-ids",  # out of order: stored ascending, as vLLM would
+            "3",
             "1",
             "2",
-            "3",
             "--batch-size",
             "1",
             "--max-samples",
@@ -104,3 +113,17 @@ def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, extracto
         assert f["token_ids"].dtype == torch.int64
         assert f["token_ids"].tolist() == ds[i]["input_ids"]
         assert torch.equal(f["hidden_states"], extractor.extract([ds[i]["input_ids"]])[0])
+    record = json.loads((out / "extraction_config.json").read_text())
+    assert record["layer_ids"] == [1, 2, 3, 4] and record["dtype"] == "bfloat16"
+
+
+def test_dtype_auto_is_what_vllm_serves(tmp_path, verifier_path, extractor, demo_tokenizer):
+    """A float32 config is served in bf16 by vLLM on compute capability >= 8.0: so are
+    the hf backend's files (here equal to those of the bf16 demo verifier)."""
+    config = json.loads((Path(verifier_path) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    (tmp_path / "model.safetensors").symlink_to(Path(verifier_path) / "model.safetensors")
+    ex = HFExtractor(str(tmp_path), [1, 2, 3], device="cpu", compute_capability="9.0")
+    assert ex.dtype == torch.bfloat16
+    ids = _ids(demo_tokenizer)
+    assert torch.equal(ex.extract([ids])[0], extractor.extract([ids])[0])

@@ -405,3 +405,34 @@ def test_cli_file_backend_round_trip_and_sigterm(tmp_path, extractor, reference)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serves_layers_ascending_in_vllms_dtype(tmp_path, verifier_path, reference):
+    """As vLLM 0.33.0: ids given out of order are served ascending, and a float32 config
+    with --dtype auto is served in bf16 on compute capability >= 8.0 (so the answers equal
+    those of the bf16 demo verifier)."""
+    from safetensors.torch import load_file
+
+    from launch.serve_hidden_states import build_server, parse_args
+
+    model = tmp_path / "f32-verifier"
+    model.mkdir()
+    config = json.loads((Path(verifier_path) / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (model / name).symlink_to(Path(verifier_path) / name)
+    args = parse_args(
+        [str(model), "--target-layer-ids", "3", "1", "2", "--port", "0", "--device", "cpu"]
+        + ["--hidden-states-backend", "file", "--hidden-states-path", str(tmp_path / "stage")]
+        + ["--compute-capability", "9.0"]
+    )
+    srv = build_server(args).start()
+    try:
+        assert "(layers [1, 2, 3, 4], backend file" in srv.describe()
+        client = VllmClient(srv.base_url + "/v1", str(model), retry_backoff=0.01, lock_timeout=10)
+        path = client.fetch(
+            0, PROMPTS[0], tmp_path, num_slots=4, hidden_size=None, dtype="bfloat16"
+        )
+    finally:
+        srv.stop()
+    assert torch.equal(load_file(path)["hidden_states"], reference[0][0])

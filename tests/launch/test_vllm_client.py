@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from datasets import load_from_disk
@@ -18,7 +21,7 @@ from launch import extract_hidden_states as ehs
 from launch.vllm_backend import SampleError, VllmClient, serve_command
 
 from .conftest import DEMO_TARGET_LAYERS, REPO
-from .fake_vllm import FakeVllm, install_vllm_shim
+from .fake_vllm import FakeVllm, install_vllm_shim, synthetic_hidden_states
 
 N_ROWS = 6
 
@@ -276,17 +279,65 @@ def test_launches_server_waits_for_health_and_stops_it(
     assert "vllm.entrypoints.cli.main serve" in printed and '"shared_storage_path"' in printed
     assert not out.exists() or not list(out.glob("hs_*"))
     assert ehs.main(argv) == 0
-    from .fake_vllm import synthetic_hidden_states
-
     for i in range(3):
         f = load_file(out / f"hs_{i}.safetensors")
         assert f["token_ids"].tolist() == rows[i]
-        want = synthetic_hidden_states(rows[i], 4, extractor.hidden_size)
+        want = synthetic_hidden_states(rows[i], [1, 2, 3, 4], extractor.hidden_size)
         assert torch.equal(f["hidden_states"], torch.from_numpy(want))
     log_text = (out / "vllm_server.log").read_text()
     assert "fake vllm serving" in log_text and "layers [1, 2, 3, 4]" in log_text
     with socket.socket() as s:  # the server was stopped
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_float32_config_and_unsorted_ids_through_launched_server(
+    tmp_path, small_prepared, monkeypatch, verifier_path, rows, capsys
+):
+    """vLLM serves a float32-config verifier in bf16 on compute capability >= 8.0 and
+    captures layers ascending: the launcher asks for exactly that, the client accepts
+    the files, and extraction_config.json says what they hold."""
+    config = json.loads((Path(verifier_path) / "config.json").read_text())
+    model = tmp_path / "f32-verifier"  # only config.json is read on the vllm backend
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    shim = install_vllm_shim(tmp_path / "shim")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim), str(REPO)]))
+    out, port = tmp_path / "hs", _free_port()
+    argv = ["--backend", "vllm", "--model", str(model), "--preprocessed-data", str(small_prepared)]
+    argv += ["--output", str(out), "--target-layer-ids", "3", "1", "2", "--max-samples", "2"]
+    argv += ["--retry-backoff", "0.01", "--vllm-python", sys.executable, "--health-timeout", "120"]
+    argv += ["--compute-capability", "9.0", "--", "--port", str(port)]
+    assert ehs.main(["--dry-run", *argv]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    spec = json.loads(cmd[cmd.index("--speculative_config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert ehs.main(argv) == 0
+    record = json.loads((out / "extraction_config.json").read_text())
+    assert record["layer_ids"] == [1, 2, 3, 4] and record["dtype"] == "bfloat16"
+    for i in range(2):
+        hs = load_file(out / f"hs_{i}.safetensors")["hidden_states"]
+        want = synthetic_hidden_states(rows[i], [1, 2, 3, 4], config["hidden_size"], "bfloat16")
+        assert torch.equal(hs, torch.from_numpy(want.view(np.int16)).view(torch.bfloat16))
+
+
+def test_stand_in_captures_layers_ascending(tmp_path, verifier_path, rows):
+    """The stand-in does what vLLM does with ids listed out of order."""
+    srv = FakeVllm(
+        verifier_path, "m", [3, 1, 4, 2], tmp_path / "stage", synthetic_hidden_size=8
+    ).start()
+    try:
+        client = VllmClient(srv.base_url + "/v1", "m", retry_backoff=0.01)
+        path = client.fetch(0, rows[0], tmp_path, num_slots=4, hidden_size=8, dtype="float32")
+    finally:
+        srv.stop()
+    want = synthetic_hidden_states(rows[0], [1, 2, 3, 4], 8)
+    assert np.array_equal(load_file(path)["hidden_states"].numpy(), want)
 
 
 @pytest.mark.filterwarnings("ignore:Using custom target layer ids")
@@ -349,8 +400,9 @@ def test_launch_vllm_accepts_the_seed_command(verifier_path):
     assert moon["master_server_address"] == "h:50051" and moon["num_writer_threads"] == 4
     assert moon["global_segment_size"] == 32 * 1024**3
     tail = cmd[cmd.index("--kv_transfer_config") + 2 :]
-    assert tail[:2] == ["--served-model-name", "demo"] and tail[-1] == "--language-model-only"
-    assert "--" not in tail and len(tail) == 14
+    assert tail[:2] == ["--served-model-name", "demo"] and tail[-3] == "--language-model-only"
+    assert tail[-2:] == ["--dtype", "bfloat16"]  # what vLLM's auto picks for a bf16 config
+    assert "--" not in tail and len(tail) == 16
     file_cmd, _ = build([verifier_path, "--hidden-states-path", "/x", "--target-layer-ids", "2"])
     assert json.loads(file_cmd[file_cmd.index("--kv_transfer_config") + 1]) == {
         "kv_connector": "ExampleHiddenStatesConnector",
