@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Sourced by slurm_dspark.sbatch and tpu_pod.sh, never run: messages, the dry-run
-# printer, the HTTP readiness wait, and the trainer command of docs/seed_run.md §4.
-# The sourcing script sets RECIPE (its name, prefixed to messages) and `set -euo pipefail`.
+# printer, the HTTP readiness wait, the MLA check of file transport, and the trainer
+# command of docs/seed_run.md §4. The sourcing script sets RECIPE (its name, prefixed to
+# messages), REPO_DIR (the repository root) and `set -euo pipefail`.
 
 RECIPE=${RECIPE:-recipe}
 
@@ -100,6 +101,29 @@ wait_http() {
 : "${TRAIN_SEGMENT_GIB:=0}"
 : "${TRAIN_BUFFER_GIB:=4}"
 
+# refuse_mla_file_transport: TRANSPORT=file goes through vLLM's file connector, which
+# refuses MLA verifiers (Kimi-K3, DeepSeek-V3), but only after loading them for minutes.
+# Decided here from the verifier's config.json when it is readable on this machine
+# (launch/mla.py, standard library only); relative paths are relative to REPO_DIR.
+refuse_mla_file_transport() {
+  [[ "$TRANSPORT" == file ]] || return 0
+  local dir path msg
+  for dir in "$MODEL" "$VERIFIER_PATH"; do
+    path=$dir
+    [[ "$path" == /* ]] || path="$REPO_DIR/$path"
+    [[ -f "$path/config.json" ]] || continue
+    if ! command -v python3 >/dev/null; then
+      log "warning: no python3 here: TRANSPORT=file not checked against MLA verifiers"
+      return 0
+    fi
+    if ! msg=$(cd -- "$REPO_DIR" && python3 -m launch.mla "$path" 2>&1); then
+      die "TRANSPORT=file: $msg"
+    fi
+    return 0
+  done
+  log "warning: no config.json at MODEL=$MODEL or VERIFIER_PATH=$VERIFIER_PATH on this machine: TRANSPORT=file not checked against MLA verifiers (use TRANSPORT=mooncake for them)"
+}
+
 # check_common: validate the shared settings and derive VERIFIER_PATH, SAVE_PATH,
 # HS_PATH and the TARGET_LAYERS / TRAIN_EXTRA arrays. MODEL and DATA_PATH are required.
 check_common() {
@@ -127,6 +151,12 @@ check_common() {
   for id in "${TARGET_LAYERS[@]}"; do
     [[ "$id" =~ ^[0-9]+$ ]] || die "TARGET_LAYER_IDS must be space-separated integers, got '$TARGET_LAYER_IDS'"
   done
+  # vLLM captures the layers in ascending order whatever order it is given, so the
+  # trainer is given that order too.
+  if ((${#TARGET_LAYERS[@]})); then
+    mapfile -t TARGET_LAYERS < <(printf '%s\n' "${TARGET_LAYERS[@]}" | sort -n)
+  fi
+  refuse_mla_file_transport
 }
 
 # build_trainer_cmd ENDPOINT MOONCAKE_ADDR: set TRAIN_CMD to `python -m dspark_jax.train`

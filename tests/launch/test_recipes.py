@@ -9,6 +9,7 @@ part of the validation that lives in a JAX module, is replaced by a stub).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -348,6 +349,16 @@ def test_slurm_single_extractor_node(stub_bin):
     assert commands(out, r"node-1 trainer.*")
 
 
+def test_slurm_layer_ids_ascending_for_both_sides(stub_bin):
+    # vLLM captures layers in ascending order: extractor and trainer both get that order
+    out = dry_run(SBATCH, slurm_env(TARGET_LAYER_IDS="92 24 72 48 88"), stub_bin)
+    (ext,) = commands(out, r"node-0 extractor.*").values()
+    (train,) = commands(out, r"node-2 trainer.*").values()
+    want = ["24", "48", "72", "88", "92"]
+    assert flag_map(ext[4 : ext.index("--")])["--target-layer-ids"] == want
+    assert flag_map(trainer_argv(train))["--target-layer-ids"] == want
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -475,3 +486,37 @@ def test_tpu_pod_errors(stub_bin, change, message):
     assert proc.returncode != 0 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("tpu_pod: error:")
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def _mla_verifier(tmp_path) -> str:
+    """A Kimi-K3-shaped config.json (MLA text model inside a multimodal wrapper)."""
+    folder = tmp_path / "Kimi-K3"
+    folder.mkdir()
+    text = {"model_type": "kimi_k2", "kv_lora_rank": 512, "num_hidden_layers": 93}
+    config = {"model_type": "kimi_k3", "text_config": text}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("script", "env"),
+    [(SBATCH, slurm_env()), (TPU, {k: v for k, v in tpu_env().items() if k != "MOONCAKE_MASTER"})],
+    ids=["slurm", "tpu"],
+)
+def test_file_transport_refused_for_mla_verifier(tmp_path, stub_bin, script, env):
+    model = _mla_verifier(tmp_path)
+    proc = run_script(
+        script, {**env, "DRY_RUN": "1", "MODEL": model, "TRANSPORT": "file"}, stub_bin
+    )
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script.stem}: error: TRANSPORT=file: ")
+    assert "MLA" in lines[0] and "TRANSPORT=mooncake" in lines[0]
+    # the Mooncake transport, and file transport for a non-MLA verifier, go through
+    assert dry_run(script, {**env, "MODEL": model, "MOONCAKE_MASTER": "gpu-a:50051"}, stub_bin)
+    assert dry_run(
+        script, {**env, "MODEL": str(REPO / "configs/demo/verifier"), "TRANSPORT": "file"}, stub_bin
+    )
