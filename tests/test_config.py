@@ -93,7 +93,6 @@ def test_bad_json_files_name_the_file(tmp_path):
 
 @pytest.mark.reference
 def test_reads_config_saved_by_speculators(tmp_path):
-    pytest.importorskip("speculators")
     from tests.reference.harness import reference_config
 
     cfg = DSparkConfig(**BASE, draft_vocab_size=40, sample_from_anchor=False)

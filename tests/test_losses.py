@@ -5,6 +5,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,8 +17,15 @@ from dspark_jax.losses import (
     parse_loss_fn,
     per_position_values,
 )
+from tests.numerics import BF16_U, U, assert_within
+from tests.numerics import logit_chain_bound as _fp32_scales
 
 HIGHEST = jax.lax.Precision.HIGHEST
+
+# Tolerances (issue 13): u = 2^-24 is fp32's unit roundoff (half an ulp of 1). Two fp32
+# evaluations of one formula that differ only in accumulation order / arrangement differ
+# by at most k * u * S, S the sum of |terms| ("absolute evaluation"), k the roundings on
+# the longest path, counted for both sides. Every S below is computed from the inputs.
 
 
 def naive_per_position_values(
@@ -100,16 +108,27 @@ def test_golden_example_of_spec(chunk_size):
         )
 
     loss, m = run(z, t, conf, jnp.asarray(GOLDEN_MASK))
-    atol = 1e-6
-    np.testing.assert_allclose(m["ce_loss_sum"], 1.438992, atol=atol)
-    np.testing.assert_allclose(m["tv_loss_sum"], 0.283568, atol=atol)
-    np.testing.assert_allclose(loss - m["confidence_loss_sum"], 0.399110, atol=atol)
-    np.testing.assert_allclose(m["confidence_loss_sum"], 0.436568, atol=atol)
-    np.testing.assert_allclose(loss, 0.835678, atol=atol)
-    np.testing.assert_allclose(m["loss_sum"], loss)
-    np.testing.assert_allclose(m["accept_rate_sum"], 4.741989, atol=atol)
+    # The SPEC's numbers are the exact values rounded to 6 decimals (<= 5e-7 off), so
+    # tolerance = 5e-7 + the fp32 evaluation bound. The logits are exact (x @ I). With
+    # |z|, |t| <= 3 and V = 8, each log-prob entry is within e = 40u: x - max (6u),
+    # exp (2u rel), the 8-term sum (7u rel), log (8u), max + log (4u), x - lse (8u).
+    # q, p are then within 42u (relative), an overlap / accept value within 49u, tv
+    # within 50u, a BCE term (|logit| <= 2) within 110u. A loss term is a masked mean
+    # with weights <= 1 (adds 21u |value|: the weights, products, the 16-term sum);
+    # accept_rate sums 12 accept values; accept_len sums block 0's prefix products
+    # P_k (k <= 7 factors <= 1, |dP_k| <= k (49u + u): 28 * 50u), block 1's are exact 0.
+    bound = {"ce": 70, "tv": 56, "main": 60, "conf": 119, "loss": 180, "rate": 640, "len": 1423}
+    atol = {k: 5e-7 + n * U for k, n in bound.items()}
+    np.testing.assert_allclose(m["ce_loss_sum"], 1.438992, rtol=0, atol=atol["ce"])
+    np.testing.assert_allclose(m["tv_loss_sum"], 0.283568, rtol=0, atol=atol["tv"])
+    main = loss - m["confidence_loss_sum"]
+    np.testing.assert_allclose(main, 0.399110, rtol=0, atol=atol["main"])
+    np.testing.assert_allclose(m["confidence_loss_sum"], 0.436568, rtol=0, atol=atol["conf"])
+    np.testing.assert_allclose(loss, 0.835678, rtol=0, atol=atol["loss"])
+    np.testing.assert_array_equal(m["loss_sum"], loss)  # the same value, stop_gradient-ed
+    np.testing.assert_allclose(m["accept_rate_sum"], 4.741989, rtol=0, atol=atol["rate"])
     assert float(m["accept_rate_total"]) == 12.0
-    np.testing.assert_allclose(m["accept_len_sum"], 2.809987, atol=atol)
+    np.testing.assert_allclose(m["accept_len_sum"], 2.809987, rtol=0, atol=atol["len"])
     assert float(m["accept_len_total"]) == 2.0
 
 
@@ -138,6 +157,39 @@ def oracle():
     return args, vals, grads
 
 
+def _logit_cotangent(args, fn):
+    """d fn / d logits [Q, Vd] (fp32, the oracle's): the logits fed through identity heads."""
+    h, w, th, wv, *markov = args
+    z = jnp.dot(h, w, precision=HIGHEST)
+    if markov:
+        z = z + jnp.dot(markov[0], markov[1], precision=HIGHEST)
+    t = jnp.dot(th, wv, precision=HIGHEST)
+    eye = jnp.eye(z.shape[1], dtype=jnp.float32)
+    return np.asarray(jax.jit(jax.grad(lambda z: fn(z, eye, t, eye)))(z), np.float64)
+
+
+def _grad_bounds(args, g, q, p, k_extra=0.0):
+    """Elementwise bounds on |d(param) - d(param)_other| for (h, lm_head[, f, w2]).
+
+    Each parameter gradient is one contraction of an activation with the logit
+    cotangent g ([Q, Vd]): d lm_head = h^T g (Q terms), d h = g lm_head^T (Vd terms). An
+    entry of g is a softmax-VJP sum of terms <= |g| + q + p (the two softmax Jacobians),
+    each accurate as the values are (k_values). So |diff| <= (2 (Q + Vd) + k_values) u
+    |x|^T (|g| + q + p), and the same with the weights for the activation gradients;
+    ``k_extra`` adds further relative round-off (the bf16 cotangent rounding).
+    """
+    h, w, *markov = (np.asarray(a, np.float64) for a in (args[0], args[1], *args[4:]))
+    Q, V = g.shape
+    k, _, _, _ = _fp32_scales(*args[:4], *args[4:])
+    G = np.abs(g) + q + p
+    r = (2 * (Q + V) + k) * U + k_extra
+    out = [r * (G @ np.abs(w).T), r * (np.abs(h).T @ G)]
+    if markov:
+        f, w2 = markov
+        out += [r * (G @ np.abs(w2).T), r * (np.abs(f).T @ G)]
+    return out
+
+
 def _weighted_sum(fn, **kw):
     # A different slot weighting per term, so every term's gradient is exercised.
     def f(*args):
@@ -157,19 +209,24 @@ def test_chunked_values_and_grads_match_full_logits(oracle, chunk_size):
         lambda *a: per_position_values(*a, terms=PER_POSITION_TERMS, chunk_size=chunk_size)
     )(*args)
     assert set(got) == set(PER_POSITION_TERMS) | {"accept", "pred_ids", "target_ids"}
+    # Same formulas in fp32, other chunking and arrangement: <= k u A per slot, see
+    # _fp32_scales (k = 2 (V + K + 8) = 120 here, A ~ 20..60: ~3e-4 absolute).
+    k, A, q, p = _fp32_scales(*args)
     for name in (*PER_POSITION_TERMS, "accept"):
         assert got[name].shape == (Q,) and got[name].dtype == jnp.float32, name
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert_within(got[name], want[name], k * U * A, name)
     for name in ("pred_ids", "target_ids"):
         assert got[name].dtype == jnp.int32
         np.testing.assert_array_equal(got[name], want[name])
     grads = jax.jit(
         jax.grad(_weighted_sum(per_position_values, chunk_size=chunk_size), argnums=(0, 1, 4, 5))
     )(*args)
-    for g, w, name in zip(
-        grads, want_grads, ("draft_hidden", "lm_head", "markov_feature", "markov_w2")
+    cot = _logit_cotangent(args, _weighted_sum(naive_per_position_values))
+    bounds = _grad_bounds(args, cot, q, p)  # ~2e-5 of the largest gradient entry
+    for g, w, bound, name in zip(
+        grads, want_grads, bounds, ("draft_hidden", "lm_head", "markov_feature", "markov_w2")
     ):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+        assert_within(g, w, bound, name)
 
 
 def test_targets_get_no_gradient_and_markov_is_optional(oracle):
@@ -186,7 +243,8 @@ def test_targets_get_no_gradient_and_markov_is_optional(oracle):
     assert not np.any(g_th) and not np.any(g_wv)
     got = jax.jit(lambda *a: per_position_values(*a, terms=("ce",), chunk_size=7))(h, w, th, wv)
     want = jax.jit(lambda *a: naive_per_position_values(*a, terms=("ce",)))(h, w, th, wv)
-    np.testing.assert_allclose(got["ce"], want["ce"], rtol=1e-5, atol=1e-6)
+    k, A, _, _ = _fp32_scales(h, w, th, wv)  # as in the chunked test, no Markov term
+    assert_within(got["ce"], want["ce"], k * U * A, "ce")
     assert set(got) == {"ce", "accept", "pred_ids", "target_ids"}
 
 
@@ -206,8 +264,12 @@ def test_bf16_inputs_accumulate_in_fp32(oracle):
         *[a.astype(jnp.float32) for a in bf]
     )
     assert got["ce"].dtype == jnp.float32
-    np.testing.assert_allclose(got["ce"], want["ce"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got["tv"], want["tv"], rtol=1e-5, atol=1e-5)
+    # bf16 x bf16 products are exact in fp32 and both sides accumulate in fp32: the
+    # fp32 bound of the chunked test, on the bf16-rounded inputs.
+    bf32 = [a.astype(jnp.float32) for a in bf]
+    k, A, q, p = _fp32_scales(*bf32)
+    assert_within(got["ce"], want["ce"], k * U * A, "ce")
+    assert_within(got["tv"], want["tv"], k * U * A, "tv")
 
     # Backward matmuls run in bf16 (the cotangent is rounded, as in the bf16 reference);
     # an fp32 master weight gets an fp32 gradient.
@@ -221,17 +283,31 @@ def test_bf16_inputs_accumulate_in_fp32(oracle):
         jax.grad(lambda *a: total(partial(per_position_values, chunk_size=5), *a), argnums=(0, 1))
     )(h, w, *rest)
     assert g_h.dtype == jnp.bfloat16 and g_w.dtype == jnp.float32
-    want_h, want_w = jax.jit(
-        jax.grad(lambda *a: total(naive_per_position_values, *a), argnums=(0, 1))
-    )(
-        h.astype(jnp.float32),
-        w.astype(jnp.bfloat16).astype(jnp.float32),
-        *[a.astype(jnp.float32) for a in rest],
-    )
-    for g, want in ((g_h, want_h), (g_w, want_w)):
-        np.testing.assert_allclose(
-            g.astype(jnp.float32), want, atol=2e-2 * float(jnp.abs(want).max())
-        )
+    # Replay of that backward in float64 from the oracle's fp32 logit cotangent g: the
+    # product's g is within e = k u (|g| + q + p) of it (the fp32 bound), so its bf16
+    # rounding is round(g) except where [g - e, g + e] straddles a bf16 rounding
+    # boundary; there it may differ by d = |round(g + e) - round(g - e)| (one bf16 ulp).
+    # d h = bf16(g_bf16 W_bf16^T): fp32 accumulation over Vd (<= Vd u of the
+    # abs-evaluation), then <= 2^-8 |d h| for the output rounding. d W = h^T g_bf16 in
+    # fp32 (a Q-term sum over the chunks). Elementwise, so a ~0.5% error in either fails.
+    args32 = (h.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32), *bf32[2:])
+    cot = _logit_cotangent(args32, lambda *a: total(naive_per_position_values, *a))
+    k, _, q, p = _fp32_scales(*args32)
+    e = k * U * (np.abs(cot) + q + p)
+
+    def bf16_round(x):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    g_b = bf16_round(cot)
+    d = np.abs(bf16_round(cot + e) - bf16_round(cot - e))
+    h64, w64 = (np.asarray(a, np.float64) for a in args32[:2])
+    n_q, n_v = cot.shape
+    dh = g_b @ w64.T
+    dh_err = (d + n_v * U * (np.abs(g_b) + d)) @ np.abs(w64).T
+    assert_within(g_h.astype(jnp.float32), dh, (1 + BF16_U) * dh_err + BF16_U * np.abs(dh), "d h")
+    dw = h64.T @ g_b
+    dw_err = np.abs(h64).T @ (d + n_q * U * (np.abs(g_b) + d))
+    assert_within(g_w, dw, dw_err, "d lm_head")
 
 
 def _eqns(jaxpr):
@@ -341,9 +417,31 @@ def test_vmap_over_rows_matches_per_row(oracle):
     batched = jax.jit(jax.vmap(row_loss))(stacked, conf, mask)
     for i, a in enumerate(rows):
         single = jax.jit(row_loss)(a, conf[i], mask[i])
-        np.testing.assert_allclose(batched[0][i], single[0], rtol=1e-6)
-        for k in single[1]:
-            np.testing.assert_allclose(batched[1][k][i], single[1][k], rtol=1e-6, err_msg=k)
+        # Both sides run the same fp32 program, batched or not: per-slot values agree to
+        # b = k u A (_fp32_scales). The loss's terms are masked means with weights <= 1 of
+        # values and of BCEs (d BCE / d accept = -logit, |logit| <= 1): <= 2 b, plus the
+        # means' own (Q + 4)-term round-off. A summed metric adds <= Q slots, each slot
+        # value entering <= (B + 1) / 2 of them on average (prefix products of a block):
+        # <= Q (B + 1) / 2 b. Row mix-ups or wrong per-row anchors move these by O(1).
+        k_, A, _, _ = _fp32_scales(*a)
+        b = float((k_ * U * A).max())
+        loss_bound = 2 * b + 2 * (Q + 4) * U * abs(float(single[0]))
+        assert_within(batched[0][i], single[0], loss_bound, "loss")
+        # Counts come from argmax ids: equal when no top-2 logit gap is within twice the
+        # logits' round-off (K u max sum|h w| each side, K = H + R), true for these rows.
+        h64, w64, th64, wv64, f64, w2_64 = (np.asarray(x, np.float64) for x in a)
+        for logits, absval in (
+            (h64 @ w64 + f64 @ w2_64, np.abs(h64) @ np.abs(w64) + np.abs(f64) @ np.abs(w2_64)),
+            (th64 @ wv64, np.abs(th64) @ np.abs(wv64)),
+        ):
+            top2 = np.sort(logits, axis=-1)[:, -2:]
+            assert (top2[:, 1] - top2[:, 0]).min() > 4 * (H + R) * U * absval.max()
+        for name, value in single[1].items():
+            if name.endswith("_total") or name.startswith(("position_", "full_acc", "eal")):
+                np.testing.assert_array_equal(batched[1][name][i], value, err_msg=name)
+            else:
+                tol = Q * (8 + 1) / 2 * b + 2 * Q * U * abs(float(value))
+                assert_within(batched[1][name][i], value, tol, name)
 
 
 # ---------------------------------------------------------------- weights and loss assembly
@@ -351,13 +449,15 @@ def test_vmap_over_rows_matches_per_row(oracle):
 
 def test_fixed_exp_decay_weights():
     pos = jnp.array([0, 1, 2, 3, 0, 1, 2, 3])
+    # pos / 2 is exact; fp32 exp vs float64: <= 1 ulp of the approximation + the final
+    # rounding, <= 2 ulp = 4u relative (an ulp is <= 2u |x|).
     np.testing.assert_allclose(
         fixed_exp_decay_weights(pos, 2.0, True),
         np.exp(-np.array([0, 1, 2, 3] * 2) / 2.0),
-        rtol=1e-7,
+        rtol=4 * U,
     )
     want = np.exp(-np.array([0, 0, 1, 2] * 2) / 2.0) * np.array([0, 1, 1, 1] * 2)
-    np.testing.assert_allclose(fixed_exp_decay_weights(pos, 2.0, False), want, rtol=1e-7)
+    np.testing.assert_allclose(fixed_exp_decay_weights(pos, 2.0, False), want, rtol=4 * U)
 
 
 def test_dpace_weights_by_hand():
@@ -373,7 +473,10 @@ def test_dpace_weights_by_hand():
         s = np.where(mb > 0, (1 - a) * np.exp(-lb) + a, 1.0)
         p = np.cumprod(s)
         want = mb * np.array([(p[k:] * mb[k:]).sum() for k in range(4)])
-        np.testing.assert_allclose(w[4 * b : 4 * b + 4], want, rtol=1e-6)
+        # fp32 vs float64, all terms positive, so relative errors add: s_k = (1 - a)
+        # exp(-l) + a within 6u (exp 4u, 2 roundings), a prefix product of <= 4 of them
+        # 4 * 6u + 3u, a <= 4-term suffix sum + 3u, the 0/1 mask exact: 30u -> rtol 32u.
+        np.testing.assert_allclose(w[4 * b : 4 * b + 4], want, rtol=32 * U)
     g = jax.grad(lambda x: dpace_weights(x, mask, 4, a).sum())(loss)
     assert not np.any(g)
     with pytest.raises(ValueError, match="divisible by block_size"):
@@ -389,7 +492,11 @@ def test_single_term_has_no_per_term_metrics_and_total_is_the_term(oracle):
     )(vals)
     assert not any(k.startswith(("kl_div_loss", "confidence")) for k in m)
     w = fixed_exp_decay_weights(jnp.arange(Q) % 8, 4.0, True)
-    np.testing.assert_allclose(loss, jnp.sum(vals["kl_div"] * w) / (Q + 1e-5), rtol=1e-6)
+    # Same positive terms (kl >= 0, w > 0) summed in two orders: (Q - 1) u relative each,
+    # plus the products, the division and the weights (exp: 4u): rtol 2 (Q + 6) u.
+    np.testing.assert_allclose(
+        loss, jnp.sum(vals["kl_div"] * w) / (Q + 1e-5), rtol=2 * (Q + 6) * U
+    )
     assert {f"position_{k}_acc_sum" for k in range(8)} <= set(m)
     _, m = jax.eval_shape(
         lambda v: dspark_loss(

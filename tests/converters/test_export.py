@@ -82,9 +82,12 @@ def test_reduced_vocab_writes_verifier_head_rows_and_maps(tmp_path):
     np.testing.assert_array_equal(tensors["lm_head.weight"], head[t2d])
     np.testing.assert_array_equal(tensors["d2t"], d2t)
     np.testing.assert_array_equal(tensors["t2d"], t2d)
-    # Maps given explicitly (e.g. from the data folder) win over the checkpoint's.
-    np.save(tmp_path / "d2t.npy", d2t)
-    np.save(tmp_path / "t2d.npy", t2d)
+    # Maps given explicitly (e.g. from the data folder) win over the checkpoint's: other
+    # maps here, so the folder shows which were used.
+    d2t_b, t2d_b = make_vocab(cfg, seed=1)
+    assert not np.array_equal(t2d_b, t2d)
+    np.save(tmp_path / "d2t.npy", d2t_b)
+    np.save(tmp_path / "t2d.npy", t2d_b)
     export_checkpoint(
         tmp_path / "ck",
         tmp_path / "out",
@@ -93,6 +96,10 @@ def test_reduced_vocab_writes_verifier_head_rows_and_maps(tmp_path):
         d2t_path=tmp_path / "d2t.npy",
         t2d_path=tmp_path / "t2d.npy",
     )
+    tensors = read(tmp_path / "out")
+    np.testing.assert_array_equal(tensors["d2t"], d2t_b)
+    np.testing.assert_array_equal(tensors["t2d"], t2d_b)
+    np.testing.assert_array_equal(tensors["lm_head.weight"], head[t2d_b])
 
 
 def test_existing_output_and_step_choice(tmp_path):

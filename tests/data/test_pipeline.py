@@ -305,6 +305,7 @@ def test_fp8_files_give_float32_batches(tmp_path):
     )
     n = len(d.input_ids[doc])
     np.testing.assert_array_equal(b["verifier_last_hidden_states"][0, :n], hs.values[:n, -1])
+    np.testing.assert_array_equal(b["hidden_states"][0, :n], hs.values[:n, :-1].reshape(n, -1))
     forced = PackedData(
         d.data_path, **d.kwargs(train_data_ratio=1.0, hidden_states_dtype="bfloat16")
     )
@@ -338,6 +339,8 @@ def test_to_global_arrays_on_simulated_devices(tiny_data):
     batch = next(data.train_iterator())
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     arrays = to_global_arrays(batch, NamedSharding(mesh, P("data")))
-    assert arrays["hidden_states"].shape == batch["hidden_states"].shape
-    assert arrays["hidden_states"].dtype == BF16
-    np.testing.assert_array_equal(np.asarray(arrays["document_ids"]), batch["document_ids"])
+    assert arrays.keys() == batch.keys()
+    for k, v in batch.items():  # every array, bit for bit, one row per device
+        assert arrays[k].dtype == v.dtype and arrays[k].shape == v.shape, k
+        np.testing.assert_array_equal(np.asarray(arrays[k]).view(np.uint8), v.view(np.uint8))
+        assert len(arrays[k].addressable_shards) == n, k

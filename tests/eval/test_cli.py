@@ -51,7 +51,8 @@ def test_outputs_of_an_orbax_checkpoint(random_run, eval_setup, tmp_path):
         acc = summary["datasets"][name]["acceptance"]["analytic/free_running"]
         mine = [r for r in rows if r["dataset"] == name and r["rule"] == "analytic"
                 and r["conditioning"] == "free_running"]  # fmt: skip
-        assert [float(r["cumulative"]) for r in mine] == pytest.approx(acc["cumulative"])
+        # The CSV and the JSON both write Python's repr of the float: it reads back exactly.
+        assert [float(r["cumulative"]) for r in mine] == acc["cumulative"]
         cells = " | ".join(f"{100 * v:.1f}%" for v in acc["cumulative"])
         assert f"| {name} | {cells} | {acc['acceptance_length']:.2f} |" in md
     for png in out.glob("*.png"):
@@ -70,7 +71,9 @@ def test_outputs_of_an_orbax_checkpoint(random_run, eval_setup, tmp_path):
     for rule in ("sampled", "greedy"):
         fitted = summary["calibration"]["all"][rule]["calibrated"]["summary"]
         applied = again["calibration"]["all"][rule]["calibrated"]["summary"]
-        assert applied == pytest.approx(fitted)
+        # The file holds the fitted float64 temperatures (JSON repr: exact), and the
+        # metrics are recomputed from the same values by the same code: equal.
+        assert applied == fitted
     assert again["datasets"]["train"]["acceptance"] == summary["datasets"]["train"]["acceptance"]
 
 
@@ -84,7 +87,9 @@ def test_a_speculators_folder_gives_the_same_numbers(random_run, eval_setup, tmp
     for name in ("train", "heldout"):
         for method, curve in report["datasets"][name]["acceptance"].items():
             mine = got["datasets"][name]["acceptance"][method]
-            assert mine["cumulative"] == pytest.approx(curve["cumulative"], abs=1e-6), method
+            # A float32 export is the Orbax params bit for bit (test_float32_export_is_exact),
+            # evaluated on the same data by the same program: the same numbers.
+            assert mine["cumulative"] == curve["cumulative"], method
     assert (folder / "confidence_temperatures.json").exists()
 
 
@@ -116,7 +121,9 @@ def test_a_trained_drafter_prints_its_table_and_plots(random_run, eval_setup, tm
     for method in ("analytic/free_running", "greedy/free_running"):
         assert trained[method]["acceptance_length"] > 2.0
         assert trained[method]["acceptance_length"] > fresh[method]["acceptance_length"] + 0.8
-        assert np.all(np.diff(trained[method]["cumulative"]) <= 1e-12)  # prefixes only shrink
+        # Prefixes only shrink: P_k+1 = P_k a with a <= 1 is <= P_k after rounding too, and
+        # the means over the same blocks in the same order keep that (rounding is monotone).
+        assert np.all(np.diff(trained[method]["cumulative"]) <= 0)
     import matplotlib.image
 
     img = matplotlib.image.imread(tmp_path / "out" / "acceptance_by_position.png")

@@ -1,5 +1,5 @@
-"""Issue 4, test 2: our files are read by speculators 0.9.0's ArrowDataset (and by
-dspark_jax.data's readers, when present) to the same arrays."""
+"""Issue 4, test 2: our files are read by speculators 0.9.0's ArrowDataset (marked
+``reference``) and by dspark_jax.data's readers to the same arrays."""
 
 from __future__ import annotations
 
@@ -7,12 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark_jax.data import hs_names
+from dspark_jax.data import files, hs_names
 from launch.extract_hidden_states import main
 
 from .conftest import DEMO_TARGET_LAYERS
-
-pytestmark = pytest.mark.reference
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +22,7 @@ def extracted(tmp_path_factory, small_prepared, verifier_path):
     return out
 
 
+@pytest.mark.reference
 def test_speculators_arrowdataset_reads_our_files(small_prepared, extracted, extractor):
     from datasets import load_from_disk
     from hs_connectors import FileTransfer
@@ -71,7 +70,6 @@ def test_speculators_arrowdataset_reads_our_files(small_prepared, extracted, ext
 
 def test_dspark_jax_readers_agree(small_prepared, extracted, extractor):
     """Same arrays through the JAX side's torch-free readers (dspark_jax.data.files)."""
-    files = pytest.importorskip("dspark_jax.data.files")
     import ml_dtypes
     import numpy as np
     from datasets import load_from_disk

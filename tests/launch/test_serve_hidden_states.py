@@ -249,6 +249,7 @@ def test_mooncake_formats_round_trip(serve, reference, fmt):
     assert store.objects == {}
 
 
+@pytest.mark.reference
 def test_reference_consumer_reads_packed(serve, reference):
     from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 

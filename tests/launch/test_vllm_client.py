@@ -351,6 +351,7 @@ def test_stand_in_captures_layers_ascending(tmp_path, verifier_path, rows):
     assert np.array_equal(load_file(path)["hidden_states"].numpy(), want)
 
 
+@pytest.mark.reference  # the mooncake backend and its flags come from hs_connectors
 @pytest.mark.filterwarnings("ignore:Using custom target layer ids")
 def test_launch_vllm_accepts_the_seed_command(verifier_path):
     """docs/seed_run.md, "Extraction", with the demo verifier in place of Kimi-K3."""

@@ -6,16 +6,44 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from dspark_jax.data.online.mooncake import MooncakeHiddenStates
+from launch.mooncake_master import start_master
 from launch.serve_hidden_states import FilePublisher, HiddenStatesServer, MooncakePublisher
 from tests.online.store_fake import FakeMooncakeStore
 
 SERVED = "tiny-verifier"
+MASTER_LOG = pytest.StashKey[Path]()
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(request, tmp_path_factory):
+    """A real ``mooncake_master`` for the module: its ``host:port``. It logs to a file,
+    whose tail is added to the report of a failing test of the module. Close the
+    module's store clients before it stops (a client left open pings the stopped
+    master for 10 s at exit, logging errors past pytest's capture)."""
+    log = tmp_path_factory.mktemp("mooncake") / "master.log"
+    proc, address = start_master(log)
+    request.node.stash[MASTER_LOG] = log
+    yield address
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    module = item.getparent(pytest.Module)
+    log = module.stash.get(MASTER_LOG, None) if module is not None else None
+    if report.failed and log is not None and log.exists():
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        report.sections.append(("mooncake_master log (last 30 lines)", "\n".join(tail)))
+    return report
 
 
 class LookupExtractor:

@@ -132,29 +132,33 @@ def test_staging_buffers_are_registered_and_reused(store):
 
 
 # ----------------------------------------------------------------- reference interop
-ref_store = pytest.importorskip("hs_connectors.mooncake_store")
+@pytest.fixture
+def ref_store():
+    from hs_connectors import mooncake_store
+
+    return mooncake_store
 
 
-def _reference(store):
+def _reference(ref_store, store):
     ref = ref_store.MooncakeHiddenStatesStore(ref_store.MooncakeStoreConfig())
     ref._store = store  # the fake in place of MooncakeDistributedStore.setup
     return ref
 
 
 @pytest.mark.reference
-def test_reference_consumer_reads_our_packed_objects(store):
+def test_reference_consumer_reads_our_packed_objects(ref_store, store):
     import torch
 
     hs, tok = sample(t=9, slots=4, h=24, seed=1)
     manifest = MooncakeHiddenStates(store).put_packed("ours", hs, tok)
-    got = _reference(store).get_sample(json.loads(json.dumps(manifest)), timeout=1)
+    got = _reference(ref_store, store).get_sample(json.loads(json.dumps(manifest)), timeout=1)
     assert got["hidden_states"].dtype == torch.bfloat16
     assert np.array_equal(got["hidden_states"].view(torch.int16).numpy(), hs.view(np.int16))
     assert torch.equal(got["token_ids"], torch.from_numpy(tok))
 
 
 @pytest.mark.reference
-def test_we_read_the_reference_producers_packed_objects(store):
+def test_we_read_the_reference_producers_packed_objects(ref_store, store):
     import torch
 
     hs = torch.randn(11, 4, 24).to(torch.bfloat16)
@@ -168,7 +172,7 @@ def test_we_read_the_reference_producers_packed_objects(store):
         "tensors": spec,
         "metadata": {"num_tokens": 11, "total_aligned_bytes": total, "extract_mode": "prompt_only"},
     }
-    ref = _reference(store)
+    ref = _reference(ref_store, store)
     ref.put_sample(manifest, {"hidden_states": hs, "token_ids": tok})
     # the manifest travels as JSON in the HTTP answer
     got_hs, got_tok = MooncakeHiddenStates(store).get(json.loads(json.dumps(manifest)), timeout=1)

@@ -1,9 +1,22 @@
 """Build speculators 0.9.0's DSparkDraftModel with our weights, and run it on our
-batch with our anchors (the test oracle). Imports torch: tests/reference only."""
+batch with our anchors (the test oracle). Imports torch: tests/reference only.
+
+fp32 parity bound (``assert_fp32_parity``). Both sides run fp32; the exact value is
+the reference run in float64 (``model.double()``, ``dtype=torch.float64``). An fp32
+evaluation is a chain of roundings, each a relative error <= U = 2^-24 of a term; with
+terms bounded by the tensor's largest magnitude ``scale`` and independent zero-mean
+rounding errors, n chained roundings stay within LAMBDA sqrt(n) U scale of the exact
+value with probability >= 1 - 2 exp(-LAMBDA^2 / 2) (probabilistic rounding-error
+analysis, Higham & Mary 2019); LAMBDA = 6 gives 3e-8 per entry. n is the longest
+accumulation chain (``tests.numerics.DRAFTER_DEPTH`` = 1024 for a drafter row's
+forward, twice that for a gradient). The reference's own fp32 run is held to the same
+bound, so the bound is a property of fp32 arithmetic, not of our code.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +26,24 @@ from dspark_jax.config import DSparkConfig
 from dspark_jax.model.draft import FrozenWeights
 from dspark_jax.model.params import to_speculators
 from launch.speculators_config import reference_config
+from tests.numerics import U, assert_within
+
+LAMBDA = 6.0  # probabilistic bound, see the module docstring
+
+
+def fp32_roundoff(depth: int, scale: float) -> float:
+    """LAMBDA sqrt(depth) U scale: fp32 error bound of a ``depth``-rounding chain."""
+    return LAMBDA * math.sqrt(depth) * U * float(scale)
+
+
+def assert_fp32_parity(ours, ref32, ref64, depth: int, err_msg: str, scale=None) -> None:
+    """ours (fp32) and the reference's fp32 run both within ``fp32_roundoff(depth,
+    scale)`` of the reference's float64 run; scale defaults to max |ref64|."""
+    ref64 = np.asarray(ref64, np.float64)
+    scale = float(np.abs(ref64).max()) if scale is None else float(scale)
+    bound = fp32_roundoff(depth, scale)
+    assert_within(ref32, ref64, bound, f"{err_msg} (reference fp32 vs float64)")
+    assert_within(ours, ref64, bound, f"{err_msg} (ours vs reference float64)")
 
 
 def build_reference_model(
@@ -80,8 +111,12 @@ def run_reference(
     gamma: float = 4.0,
     confidence_head_alpha: float = 1.0,
     per_position_loss_weight: str = "fixed-exp-decay",
+    dtype: torch.dtype = torch.float32,
 ) -> ReferenceRun:
-    """Forward + backward of the reference on one row with the given anchors."""
+    """Forward + backward of the reference on one row with the given anchors.
+
+    ``dtype=torch.float64`` (with ``model.double()``) gives the exact-arithmetic
+    oracle the fp32 tolerances are measured against."""
     from speculators.losses import eager, resolve_loss_config
 
     def t(name, dtype=None):
@@ -92,10 +127,10 @@ def run_reference(
     model.zero_grad(set_to_none=True)
     with _injected(anchors, valid, captured):
         _, loss, metrics = model(
-            hidden_states=t("hidden_states", torch.float32),
+            hidden_states=t("hidden_states", dtype),
             input_ids=t("input_ids", torch.long),
             loss_mask=t("loss_mask", torch.long),
-            verifier_last_hidden_states=t("verifier_last_hidden_states", torch.float32),
+            verifier_last_hidden_states=t("verifier_last_hidden_states", dtype),
             document_ids=t("document_ids", torch.long),
             position_ids=t("position_ids", torch.long),
             loss_config=resolve_loss_config(loss_fn, "eager"),

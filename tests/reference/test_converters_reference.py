@@ -3,10 +3,11 @@
 ``save_pretrained`` output imports into JAX with the same outputs and re-exports
 bit for bit; our check accepts its folders.
 
-Tolerances: both sides run fp32 on the same (bf16-representable) weights, so as in
-test_model_parity.py logits/confidence/loss agree to rtol 1e-5 / atol 1e-5 (other
-summation orders); tensors round-tripped through import/export are compared as
-bytes.
+Tolerances: both sides run fp32 on the same (bf16-representable) weights; as in
+test_model_parity.py the exact values are the reference model run in float64, and ours
+and the reference's fp32 run must both lie within the fp32 round-off bound
+``harness.fp32_roundoff(DRAFTER_DEPTH, scale)`` (6 sqrt(1024) U = 1.1e-5 of the largest
+logit). Tensors round-tripped through import/export are compared as bytes.
 """
 
 from __future__ import annotations
@@ -45,26 +46,40 @@ from tests.converters.helpers import (
     random_params,
     write_verifier,
 )
-from tests.reference.harness import reference_config, run_reference
+from tests.numerics import DRAFTER_DEPTH
+from tests.reference.harness import assert_fp32_parity, reference_config, run_reference
 from tests.reference.test_model_parity import anchors_for, make_row
 
 LOSS_FN = '{"ce":0.1,"tv":0.9}'
 NUM_ANCHORS = 8
 
 
-def load_reference(folder):
-    """speculators' own loader, eager attention (flex attention needs a GPU), fp32."""
+def load_reference(folder, dtype=torch.float32):
+    """speculators' own loader, eager attention (flex attention needs a GPU), fp32 (or
+    float64: the exact values)."""
     from speculators.models.dspark import DSparkDraftModel as Ref
     from speculators.models.dspark import DSparkSpeculatorConfig
 
     config = DSparkSpeculatorConfig.from_pretrained(str(folder))
     config.transformer_layer_config._attn_implementation = "eager"
-    return Ref.from_pretrained(str(folder), config=config).float()
+    return Ref.from_pretrained(str(folder), config=config).to(dtype)
+
+
+def run_reference_both(folder, row, anchors, valid):
+    """The reference on ``folder`` in fp32 and in float64 (the exact values)."""
+    return tuple(
+        run_reference(
+            load_reference(folder, dtype), row, anchors, valid, loss_fn=LOSS_FN, dtype=dtype
+        )
+        for dtype in (torch.float32, torch.float64)
+    )
 
 
 def frozen_from(verifier, t2d):
     vt = load_verifier_tensors(verifier, t2d)
-    f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))
+    def f32(x):
+        return jnp.asarray(np.asarray(x, np.float32))
+
     head = f32(vt.lm_head).T
     return FrozenWeights(f32(vt.embed_tokens), head, head, f32(vt.norm))
 
@@ -92,13 +107,22 @@ def ours(cfg, params, frozen, row, anchors, valid):
     return run(model, frozen, jrow, jnp.asarray(anchors, jnp.int32), jnp.asarray(valid))
 
 
-def assert_same_outputs(ref, loss, logits, conf):
-    np.testing.assert_allclose(logits, ref.logits, rtol=1e-5, atol=1e-5)
+def assert_same_outputs(refs, loss, logits, conf):
+    """Ours vs the reference's (fp32, float64) runs, within the fp32 round-off bound
+    (harness.assert_fp32_parity; the loss is made of log-sum-exps of the logits, so
+    its terms are bounded by the largest logit)."""
+    ref, ref64 = refs
+    assert_fp32_parity(logits, ref.logits, ref64.logits, DRAFTER_DEPTH, "logits")
     if ref.confidence_logits is None:
         assert conf is None
     else:
-        np.testing.assert_allclose(conf, ref.confidence_logits, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(loss), float(ref.loss), rtol=1e-5, atol=1e-6)
+        assert_fp32_parity(
+            conf, ref.confidence_logits, ref64.confidence_logits, DRAFTER_DEPTH, "conf"
+        )
+    scale = float(np.abs(ref64.logits).max())
+    assert_fp32_parity(
+        float(loss), float(ref.loss), float(ref64.loss), DRAFTER_DEPTH, "loss", scale
+    )
 
 
 def batch(cfg, seed):
@@ -147,12 +171,11 @@ def test_export_loads_in_speculators_with_equal_outputs(tmp_path, case):
         target=target,
     )
 
-    ref_model = load_reference(tmp_path / "out")
     row, anchors, valid = batch(cfg, seed=3)
-    ref = run_reference(ref_model, row, anchors, valid, loss_fn=LOSS_FN)
+    refs = run_reference_both(tmp_path / "out", row, anchors, valid)
     # Our model on the weights as exported (bf16-rounded) and the verifier's tensors.
     rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)
-    assert_same_outputs(ref, *ours(cfg, rounded, frozen_from(verifier, t2d), row, anchors, valid))
+    assert_same_outputs(refs, *ours(cfg, rounded, frozen_from(verifier, t2d), row, anchors, valid))
 
 
 def reference_save(folder, cfg, verifier, t2d=None, d2t=None, seed=0):
@@ -207,10 +230,10 @@ def test_speculators_checkpoint_imports_runs_and_reexports_bit_exact(tmp_path, c
     assert result.cfg == cfg.replace(verifier_name_or_path=str(verifier))
     if run_models:
         row, anchors, valid = batch(cfg, seed=4)
-        ref = run_reference(load_reference(saved), row, anchors, valid, loss_fn=LOSS_FN)
+        refs = run_reference_both(saved, row, anchors, valid)
         loaded = orbax_io.load_params(tmp_path / "ck")
         assert_same_outputs(
-            ref, *ours(loaded.cfg, loaded.params, frozen_from(verifier, t2d), row, anchors, valid)
+            refs, *ours(loaded.cfg, loaded.params, frozen_from(verifier, t2d), row, anchors, valid)
         )
 
     export_checkpoint(tmp_path / "ck", tmp_path / "out", verifier_path=verifier, target=target)

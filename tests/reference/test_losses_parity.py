@@ -5,10 +5,15 @@ Both sides see the same arrays: draft logits ``h @ W + f @ W2`` and target logit
 the gradients w.r.t. draft hidden, lm_head, Markov feature, Markov W2 and confidence
 logits.
 
-Tolerances (fp32 on both sides; measured: loss 1.6e-7 relative, metrics 2.4e-7):
-* counts (``*_total``, accuracy sums, ``eal_*``): exact;
-* loss and float metrics: ``rtol=2e-6, atol=1e-6``;
-* gradients: ``atol=5e-6 * max|grad_ref| + 1e-8``, ``rtol=1e-5`` (measured: 7e-7 * max).
+Tolerances: the exact values are the reference's, run in float64; ours and the
+reference's fp32 run must both lie within ``harness.fp32_roundoff(n, scale)`` =
+6 sqrt(n) U scale (see tests/reference/harness.py). n = the longest accumulation
+chain: the logit sums (H 16 + R 8), the vocab sums of the softmaxes (V 40), the
+masked sums over positions (Q 24) and ~10 elementwise roundings = 98 -> LOSS_DEPTH =
+128 forward, 256 for gradients; scale = the largest |logit| for the loss, float
+metrics and per-position values (every log-sum-exp term is bounded by it), the
+tensor's largest entry for gradients. Counts (``*_total``, accuracy sums, ``eal_*``)
+are compared exactly.
 """
 
 import jax
@@ -25,12 +30,14 @@ from speculators.losses import eager, resolve_loss_config
 from speculators.models.dspark.metrics import compute_metrics
 
 from dspark_jax.losses import PER_POSITION_TERMS, dspark_loss, parse_loss_fn, per_position_values
+from tests.reference.harness import assert_fp32_parity
 
 B, A, H, V, R = 4, 6, 16, 40, 8
 Q = A * B
 CHUNK = 10  # does not divide Q: the padded last chunk is exercised
 MIXED = '{"ce":0.1,"tv":0.9}'
 GRAD_NAMES = ("draft_hidden", "lm_head", "markov_feature", "markov_w2", "confidence_logits")
+LOSS_DEPTH = 128  # see the module docstring
 
 
 def _case(seed: int, anchor_masked: bool) -> dict[str, np.ndarray]:
@@ -53,8 +60,19 @@ def _case(seed: int, anchor_masked: bool) -> dict[str, np.ndarray]:
     }
 
 
-def _reference(case, spec, with_conf, kw):
-    t = {k: torch.tensor(v, requires_grad=k in GRAD_NAMES) for k, v in case.items()}
+def _tensors(case, dtype=torch.float32, grad=False):
+    """The case as torch tensors, float arrays in ``dtype`` (float64: the exact values)."""
+    return {
+        k: torch.tensor(
+            v.astype(np.float64) if dtype == torch.float64 and v.dtype == np.float32 else v,
+            requires_grad=grad and k in GRAD_NAMES,
+        )
+        for k, v in case.items()
+    }
+
+
+def _reference(case, spec, with_conf, kw, dtype=torch.float32):
+    t = _tensors(case, dtype, grad=True)
     logits = (t["draft_hidden"] @ t["lm_head"] + t["markov_feature"] @ t["markov_w2"])[None]
     targets = (t["target_hidden"] @ t["verifier_head"])[None]
     conf = t["confidence_logits"][None] if with_conf else None
@@ -131,20 +149,28 @@ def test_loss_metrics_and_grads_match_reference(spec, sample_from_anchor, with_c
         "sample_from_anchor": sample_from_anchor,
     }
     ref_loss, ref_m, ref_g = _reference(case, spec, with_conf, kw)
+    ex_loss, ex_m, ex_g = _reference(case, spec, with_conf, kw, torch.float64)
     loss, m, g = _ours(case, spec, with_conf, kw)
 
-    np.testing.assert_allclose(loss, ref_loss, rtol=2e-6, atol=1e-6)
-    assert sorted(m) == sorted(ref_m)  # jit returns dicts in sorted key order
-    for k, want in ref_m.items():
+    scale = float(_logits(case, torch.float64)[0].abs().max())
+    assert_fp32_parity(loss, ref_loss, ex_loss, LOSS_DEPTH, "loss", scale)
+    assert sorted(m) == sorted(ref_m) == sorted(ex_m)  # jit returns dicts in sorted key order
+    for k, want in ex_m.items():
         if k.endswith("_total") or "_acc_" in k or k.startswith("eal_"):
-            assert m[k] == want, k
+            assert m[k] == ref_m[k] == want, k
         else:
-            np.testing.assert_allclose(m[k], want, rtol=2e-6, atol=1e-6, err_msg=k)
-    assert set(g) == set(ref_g)
-    for k, want in ref_g.items():
-        scale = float(np.abs(want).max())
-        assert scale > 0, k
-        np.testing.assert_allclose(g[k], want, rtol=1e-5, atol=5e-6 * scale + 1e-8, err_msg=k)
+            assert_fp32_parity(m[k], ref_m[k], want, LOSS_DEPTH, k, max(scale, abs(want)))
+    assert set(g) == set(ref_g) == set(ex_g)
+    for k, want in ex_g.items():
+        assert float(np.abs(want).max()) > 0, k
+        assert_fp32_parity(g[k], ref_g[k], want, 2 * LOSS_DEPTH, k)
+
+
+def _logits(case, dtype):
+    """(draft logits, target logits) [1, Q, V], computed by torch in ``dtype``."""
+    t = _tensors(case, dtype)
+    logits = (t["draft_hidden"] @ t["lm_head"] + t["markov_feature"] @ t["markov_w2"])[None]
+    return logits, (t["target_hidden"] @ t["verifier_head"])[None]
 
 
 def test_per_position_values_match_reference_eager_losses():
@@ -162,9 +188,8 @@ def test_per_position_values_match_reference_eager_losses():
             chunk_size=CHUNK,
         )
     )()
-    t = {k: torch.tensor(v) for k, v in case.items()}
-    logits = (t["draft_hidden"] @ t["lm_head"] + t["markov_feature"] @ t["markov_w2"])[None]
-    targets = (t["target_hidden"] @ t["verifier_head"])[None]
+    logits32, targets32 = _logits(case, torch.float32)
+    logits64, targets64 = _logits(case, torch.float64)
     reference = {
         "ce": eager.ce_loss,
         "tv": eager.tv_loss,
@@ -175,15 +200,26 @@ def test_per_position_values_match_reference_eager_losses():
         "lk_hybrid": eager.lk_hybrid_loss,
     }
     assert set(reference) == set(PER_POSITION_TERMS)
+    scale = float(logits64.abs().max())
     for name, fn in reference.items():
-        np.testing.assert_allclose(
-            vals[name], fn(logits, targets)[0].numpy(), rtol=2e-6, atol=1e-6, err_msg=name
+        assert_fp32_parity(
+            vals[name],
+            fn(logits32, targets32)[0].numpy(),
+            fn(logits64, targets64)[0].numpy(),
+            LOSS_DEPTH,
+            name,
+            scale,
         )
-    np.testing.assert_allclose(
-        vals["accept"], 1.0 - eager.tv_loss(logits, targets)[0].numpy(), rtol=2e-6, atol=1e-6
+    assert_fp32_parity(
+        vals["accept"],
+        1.0 - eager.tv_loss(logits32, targets32)[0].numpy(),
+        1.0 - eager.tv_loss(logits64, targets64)[0].numpy(),
+        LOSS_DEPTH,
+        "accept",
+        scale,
     )
-    np.testing.assert_array_equal(vals["pred_ids"], torch.argmax(logits[0], -1).numpy())
-    np.testing.assert_array_equal(vals["target_ids"], torch.argmax(targets[0], -1).numpy())
+    np.testing.assert_array_equal(vals["pred_ids"], torch.argmax(logits32[0], -1).numpy())
+    np.testing.assert_array_equal(vals["target_ids"], torch.argmax(targets32[0], -1).numpy())
 
 
 @pytest.mark.parametrize(

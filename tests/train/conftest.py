@@ -144,6 +144,20 @@ def tiny_argv(verifier: Path, data, save: Path, **over) -> list[str]:
     return argv
 
 
+# Round-off of one logged loss of the tiny_argv drafter (hidden 8, 1 layer, 2 x 4 heads,
+# intermediate 16, vocab 1024, S = 64, 6 anchors x 4): longest fp32 accumulation chain per
+# layer the norm 8, q/k/v 8, scores 4, softmax sum and P V over <= 88 keys, o_proj 8,
+# norm 8, gate/up 8, down 16 (236); then fc 16, norms 16, lm_head 8, the vocab sums 1024,
+# Markov 4, slots 24, rows 4: 1332 -> depth 1536. Two evaluations in other orders (another
+# mesh, two processes) each equal the exact loss of inputs and weights perturbed by
+# <= depth u relatively, so differ by <= 2 depth u kappa |L|, kappa = sum|dL/dx||x| / |L|
+# (the drafter's is 0.6-1.5 in tests/model/test_draft.py; taken <= 2). Later steps start
+# from parameters that differ by the previous update's round-off; Muon's bf16 Newton-Schulz
+# can turn an fp32 difference into a flipped bf16 rounding (one ulp of one update entry,
+# lr * ratio * 2^-7 ~ 2e-4 on one weight): a few flips move the loss by far less than this.
+LOSS_RTOL = 2 * 1536 * 2.0**-24 * 2
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -1,4 +1,8 @@
-"""Metric records: the reference's normalisation, JSONL, TensorBoard names, console line."""
+"""Metric records: normalisation, JSONL, TensorBoard names, console line.
+
+The normalisation is compared with the reference's own function in
+tests/reference/test_train_flags.py::test_normalize_counted_metrics_is_the_references.
+"""
 
 from __future__ import annotations
 
