@@ -167,3 +167,24 @@ def test_calibration_and_eval_of_another_step_are_refused(demo_run, tmp_path, ca
         capsys.readouterr().err
     )
     assert not (tmp_path / "out").exists()
+
+
+def serve_commands_in(text: str) -> list[str]:
+    """`vllm serve` commands of a Markdown text: lines of fenced blocks, inline code spans."""
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+    prose = re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S)
+    lines = [x for b in blocks for x in b.replace("\\\n", " ").splitlines()]
+    spans = [" ".join(x.split()) for x in re.findall(r"`([^`]+)`", prose)]
+    return [x for x in lines + spans if "vllm serve" in x]
+
+
+def test_docs_show_only_serve_forms_that_work():
+    """[serve-form: vllm/engine/arg_utils.py]: `vllm serve <folder> --spec-method ...` is an
+    error; a --spec-method command serves the verifier and names the drafter (--spec-model)
+    and its --spec-tokens."""
+    docs = [ROOT / "README.md", ROOT / "configs/demo/README.md", *(ROOT / "docs").glob("*.md")]
+    commands = [(d.name, c) for d in docs for c in serve_commands_in(d.read_text())]
+    spec = [x for x in commands if "--spec-method" in x[1]]
+    assert len(spec) >= 4, commands
+    bad = [x for x in spec if "--spec-model" not in x[1] or "--spec-tokens" not in x[1]]
+    assert not bad, bad
