@@ -119,6 +119,7 @@ def test_seed_command_parses_and_dry_runs(k3, tmp_path, capsys):
     )
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 8
     assert (save / "model.safetensors").is_file() and (save / "run.yaml").is_file()
+    assert not (save / "README.md").exists()  # model cards are for exports
     assert "vLLM check: ok" in out
 
 
