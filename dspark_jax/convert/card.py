@@ -24,7 +24,7 @@ CARD_METHODS = ("analytic/free_running", "greedy/free_running")
 class CardInputs:
     """What the card says beyond the config; every field is optional."""
 
-    name: str  # the folder's name
+    name: str  # the folder's name (the title when no verifier is recorded)
     dtype: str = "bfloat16"
     train_command: list[str] | None = None  # from run.yaml (train.flags.command_line)
     total_seq_len: int | None = None
@@ -75,7 +75,8 @@ def _specs(cfg: DSparkConfig, c: CardInputs) -> list[str]:
         ("Base model (verifier)", f"`{cfg.verifier_name_or_path}`"),
         (
             "Draft layers",
-            f"{cfg.num_hidden_layers} Qwen3 decoder layers: hidden {cfg.hidden_size}, "
+            f"{cfg.num_hidden_layers} Qwen3 decoder layer{'s' if cfg.num_hidden_layers > 1 else ''}"
+            f": hidden {cfg.hidden_size}, "
             f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads x "
             f"{cfg.head_dim}, MLP {cfg.intermediate_size}, "
             f"{', '.join(sorted(set(types)))}{window}",
@@ -113,6 +114,12 @@ def _acceptance(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def title(cfg: DSparkConfig, folder_name: str) -> str:
+    """The seed's naming: ``<verifier>-speculator.dspark`` (else the folder's name)."""
+    name = cfg.verifier_name_or_path
+    return f"{name.rstrip('/').split('/')[-1]}-speculator.dspark" if name else folder_name
+
+
 def model_card(cfg: DSparkConfig, c: CardInputs) -> str:
     """README.md of the exported folder."""
     verifier = cfg.verifier_name_or_path
@@ -126,7 +133,7 @@ def model_card(cfg: DSparkConfig, c: CardInputs) -> str:
         "- speculators",
         "---",
         "",
-        f"# {c.name}",
+        f"# {title(cfg, c.name)}",
         "",
         f"A DSpark speculative-decoding drafter for `{verifier}`: a DFlash block-parallel "
         f"backbone that drafts {cfg.speculative_tokens} tokens in one pass from the verifier's "

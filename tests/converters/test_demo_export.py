@@ -122,6 +122,8 @@ def test_makefile_export_step_serves_in_both_forms(demo_run, capsys):
     card = (export / "README.md").read_text()
     for line in (
         "base_model: dspark-jax/demo-verifier",
+        "# demo-verifier-speculator.dspark",
+        "| Draft layers | 1 Qwen3 decoder layer: hidden 192, 4 heads / 2 KV heads x 64, MLP 512",
         "## Training command",
         "  --target-layer-ids 1 2 3 \\",
         "  --draft-vocab-size 2048 \\",
