@@ -151,6 +151,10 @@ def model_card(cfg: DSparkConfig, c: CardInputs) -> str:
     lines += ["", "## Model specifications", "", *_specs(cfg, c), "", "## Deployment", ""]
     if c.serve_commands:
         lines += ["```bash", *c.serve_commands, "```"]
+    else:
+        lines.append(
+            "Exported for speculators only (`--target speculators`): vLLM 0.33 does not serve it."
+        )
     if cfg.enable_confidence_head:
         lines += [
             "",

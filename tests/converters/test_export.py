@@ -162,3 +162,4 @@ def test_cli_export(tmp_path, capsys):
     assert main([*argv, "--target", "speculators", "--step", "2"]) == 0
     assert "exported step 2" in capsys.readouterr().out
     assert main(["check", str(tmp_path / "out"), "--target", "speculators"]) == 0
+    assert "vLLM 0.33 does not serve it" in (tmp_path / "out" / "README.md").read_text()
