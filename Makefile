@@ -1,13 +1,17 @@
 # The demo end to end on one CPU: demo data -> hidden states -> trained drafter ->
-# speculators/vLLM folder -> acceptance table. `make demo` after installing (README).
+# acceptance table and calibration -> calibrated speculators/vLLM folder with its model
+# card. `make demo` after installing (README).
 PY ?= .venv/bin/python
 DEMO := runs/demo
 VERIFIER := configs/demo/verifier
+# The Hub name recorded in the export (configs/demo/README.md, "Serve"): `vllm serve
+# <folder>` needs a repo id there, while the tensors come from $(VERIFIER).
+DEMO_VERIFIER_NAME ?= dspark-jax/demo-verifier
 
 .PHONY: demo demo-online test clean-demo
 
-demo: $(DEMO)/eval/summary.json
-	@cat $(DEMO)/eval/acceptance.md
+demo: $(DEMO)/export/README.md
+	@cat $(DEMO)/export/README.md
 
 # 1. Prepared rows + hidden states (PyTorch side, HF transformers on CPU).
 $(DEMO)/data/hidden_states/extraction_config.json:
@@ -26,15 +30,20 @@ $(DEMO)/heldout/hidden_states/extraction_config.json:
 $(DEMO)/checkpoints/run.yaml: $(DEMO)/data/hidden_states/extraction_config.json
 	$(PY) -m dspark_jax.train
 
-# 3. Export the best checkpoint in the format `vllm serve --spec-method dspark` loads.
-$(DEMO)/export/config.json: $(DEMO)/checkpoints/run.yaml
-	$(PY) -m converters export $(DEMO)/checkpoints $(DEMO)/export --step best \
-		--verifier-path $(VERIFIER) --overwrite
-
-# 4. Acceptance tables and confidence calibration on held-out conversations.
-$(DEMO)/eval/summary.json: $(DEMO)/export/config.json $(DEMO)/heldout/hidden_states/extraction_config.json
+# 3. Acceptance tables and confidence calibration of the best checkpoint on held-out
+#    conversations (eval/calibration.json: the global temperature the export folds in).
+$(DEMO)/eval/summary.json: $(DEMO)/checkpoints/run.yaml $(DEMO)/heldout/hidden_states/extraction_config.json
 	$(PY) -m dspark_jax.eval --checkpoint $(DEMO)/checkpoints --step best --verifier $(VERIFIER) \
 		--total-seq-len 1024 --dataset heldout=$(DEMO)/heldout --output-dir $(DEMO)/eval
+
+# 4. Export the best checkpoint for vLLM 0.33: calibrated confidence head, model card
+#    (README.md: training command, specifications, serve commands, acceptance table),
+#    checked against the verifier; the check prints the `vllm serve` commands.
+$(DEMO)/export/README.md: $(DEMO)/eval/summary.json
+	$(PY) -m converters export $(DEMO)/checkpoints $(DEMO)/export --step best \
+		--verifier-name $(DEMO_VERIFIER_NAME) --verifier-path $(VERIFIER) \
+		--calibration $(DEMO)/eval/calibration.json --eval-dir $(DEMO)/eval --overwrite
+	$(PY) -m converters check $(DEMO)/export --verifier $(VERIFIER)
 
 # Optional: the demo drafter trained for one epoch on hidden states generated online
 # by launch/serve_hidden_states.py (file transport; no hidden-state file is read).

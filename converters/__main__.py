@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gated/rnn heads and non-causal sliding layers)",
     )
     e.add_argument("--overwrite", action="store_true")
+    _add_serving_export_args(e)
 
     i = sub.add_parser("import", help="speculators DSpark/DFlash folder -> Orbax checkpoint")
     i.add_argument("source", help="speculators folder (config.json + safetensors)")
@@ -81,7 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("folder")
     c.add_argument("--target", choices=("vllm", "speculators"), default="vllm")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_serving_check_args(c)
     return p
+
+
+def _add_serving_export_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument(
+        "--calibration",
+        help="calibration.json of python -m dspark_jax.eval: its global temperature is "
+        "folded into the confidence head (vLLM reads none)",
+    )
+    e.add_argument(
+        "--eval-dir",
+        help="output folder of python -m dspark_jax.eval: its acceptance table goes into "
+        "the model card README.md",
+    )
+
+
+def _add_serving_check_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument(
+        "--verifier",
+        help="verifier folder or config.json (vocabulary, hidden size, layer count) "
+        "for the vLLM rules that depend on it",
+    )
+    c.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the verifier's tensor-parallel size the drafter is split over (default 1)",
+    )
 
 
 def _warm_start(args):
@@ -104,20 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from dspark_jax.convert.check import check_folder
 
-        report = check_folder(args.folder, target=args.target)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "folder": str(report.folder),
-                        "target": report.target,
-                        "ok": report.ok,
-                        "errors": report.errors,
-                        "warnings": report.warnings,
-                    },
-                    indent=2,
-                )
+        try:
+            report = check_folder(
+                args.folder,
+                target=args.target,
+                verifier=args.verifier,
+                tensor_parallel_size=args.tensor_parallel_size,
             )
+        except ValueError as e:  # a bad --verifier or --tensor-parallel-size
+            print(f"check failed: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(report.as_dict(), indent=2))
         else:
             print(report.format())
         return 0 if report.ok else 1
@@ -145,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                     verifier_path=args.verifier_path,
                     target=args.target,
                     overwrite=args.overwrite,
+                    calibration=args.calibration,
+                    eval_dir=args.eval_dir,
                 )
             except ExportError as e:
                 print(f"export failed: {e}", file=sys.stderr)

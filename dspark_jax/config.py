@@ -118,6 +118,13 @@ class DSparkConfig:
                 "DSparkConfig.aux_hidden_state_layer_ids must be distinct non-negative ints, "
                 f"got {list(self.aux_hidden_state_layer_ids)}"
             )
+        if list(self.aux_hidden_state_layer_ids) != sorted(self.aux_hidden_state_layer_ids):
+            # vLLM captures and concatenates aux layers in ascending order whatever the
+            # config says, so another order would feed fc its columns permuted.
+            raise ValueError(
+                "DSparkConfig.aux_hidden_state_layer_ids must be ascending (vLLM concatenates "
+                f"the layers in ascending order), got {list(self.aux_hidden_state_layer_ids)}"
+            )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"DSparkConfig.mask_token_id must be in [0, vocab_size={self.vocab_size}), "

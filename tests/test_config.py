@@ -67,6 +67,7 @@ def test_per_layer_semantics():
         (dict(hidden_size=0), r"hidden_size must be a positive int"),
         (dict(aux_hidden_state_layer_ids=[]), r"aux_hidden_state_layer_ids must not be empty"),
         (dict(aux_hidden_state_layer_ids=[2, 2]), r"aux_hidden_state_layer_ids must be distinct"),
+        (dict(aux_hidden_state_layer_ids=[3, 1]), r"aux_hidden_state_layer_ids must be ascending"),
     ],
 )
 def test_validation_names_the_field(override, message):

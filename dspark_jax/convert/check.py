@@ -1,37 +1,17 @@
-"""Does a folder hold a DSpark drafter that vLLM 0.33 (``--spec-method dspark``) loads
-as trained? (``python -m converters check FOLDER``)
+"""Does a folder hold a DSpark drafter that loads as trained? (``python -m converters check``)
 
-vLLM fails late or not at all on a bad drafter folder: a missing tensor stays
-uninitialised, a missing config field falls back to a default that differs from
-speculators' (``sample_from_anchor``, ``enable_confidence_head``,
-``confidence_head_with_markov`` all default to False there, True here). This check
-makes every such case an error naming the field or tensor. What it mirrors, in
-vLLM (upstream main of 2026-08, the code that ships as 0.33):
+Two targets:
 
-* ``vllm/transformers_utils/config.py``: a folder is read as speculators format only
-  when config.json has no top-level ``model_type`` and a non-null
-  ``speculators_config``; ``configs/speculators/base.py`` then requires
-  ``speculators_config.proposal_methods[0].speculative_tokens``,
-  ``speculators_config.verifier.name_or_path`` and a ``transformer_layer_config``
-  object, which becomes the draft's HF config as is (no Qwen3 defaults: every
-  field the layers read must be there).
-* ``configs/speculators/algos.py::update_dspark``: ``aux_hidden_state_layer_ids``
-  is indexed (required); ``sample_from_anchor`` defaults to False; ``markov_rank``,
-  ``mask_token_id``, ``block_size``, confidence flags are copied only when present;
-  ``sliding_window_non_causal`` is not forwarded (sliding layers run causal,
-  ``qwen3_dflash.py::_dflash_layer_causal``).
-* ``model_executor/models/qwen3_dspark.py``: the Markov head is always built
-  (``markov_w1`` [vocab_size, r], ``markov_w2`` [draft_vocab_size, r], vanilla
-  only), the confidence head ``proj`` [1, H(+r)] + bias when enabled; ``d2t`` is
-  renamed ``draft_id_to_target_id``, ``t2d`` skipped; ``lm_head`` [Vd, H] is the
-  checkpoint's own when present, else the target's. ``AutoWeightsLoader`` raises on
-  any unexpected key except ``*.bias`` (silently dropped) and never reports a
-  missing one. ``qwen3_dflash.py``: ``fc`` is [H, n_aux * (target_hidden_size or
-  H)], q/k/v/o and MLP as Qwen3, stacked on load.
-
-``target="speculators"`` checks only what speculators 0.9.0 needs to load the
-folder (``from_pretrained``): gated/rnn heads and non-causal sliding layers are
-fine there, ``target_hidden_size`` != hidden_size is not (its ``fc`` ignores it).
+* ``"vllm"`` (default): vLLM 0.33.0 serving it, rule by rule from its released source
+  (:mod:`dspark_jax.convert.vllm_rules`: each message names its rule and the vLLM file),
+  with an optional verifier (vocabulary, hidden size, layer count) and tensor-parallel
+  size; the report ends with the ``vllm serve`` commands that work for the folder.
+  vLLM fails late or silently on a bad folder (a missing tensor stays uninitialised, a
+  missing ``sample_from_anchor`` means False), so every such case is an error.
+* ``"speculators"``: what speculators 0.9.0's ``from_pretrained`` needs: every field its
+  DSpark config validates, every tensor ``save_pretrained`` writes; gated/rnn heads and
+  non-causal sliding layers are fine there, ``target_hidden_size`` != hidden_size is not
+  (its ``fc`` ignores it).
 
 numpy + safetensors only (no JAX, no torch): the check is cheap to run anywhere.
 """
@@ -50,6 +30,7 @@ import numpy as np
 from safetensors import safe_open
 
 from dspark_jax.config import DSparkConfig
+from dspark_jax.convert import vllm_rules
 
 TARGETS = ("vllm", "speculators")
 CONFIG_FILE = "config.json"
@@ -71,6 +52,8 @@ class CheckReport:
     errors: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     config: DSparkConfig | None = None  # parsed config, when it parses
+    notes: list[str] = dataclasses.field(default_factory=list)
+    serving: dict | None = None  # serve_commands' arguments (target vllm, when ok)
 
     @property
     def ok(self) -> bool:
@@ -81,7 +64,22 @@ class CheckReport:
         lines = [head]
         lines += [f"  error: {e}" for e in self.errors]
         lines += [f"  warning: {w}" for w in self.warnings]
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.ok and self.commands:
+            lines.append("serve with vLLM 0.33:")
+            lines += [f"  {c}" for c in self.commands]
         return "\n".join(lines)
+
+    @property
+    def commands(self) -> list[str]:
+        """The `vllm serve` commands that work for this folder (target vllm, when ok)."""
+        if not self.ok or self.serving is None:
+            return []
+        return vllm_rules.serve_commands(self.folder, **self.serving)
+
+    def as_dict(self) -> dict:
+        keys = ("target", "ok", "errors", "warnings", "notes", "commands")
+        return {"folder": str(self.folder), **{k: getattr(self, k) for k in keys}}
 
 
 class CheckError(ValueError):
@@ -93,14 +91,12 @@ class CheckError(ValueError):
 
 
 # ---------------------------------------------------------------- the key table
-def expected_tensors(cfg: DSparkConfig, target: str = "speculators") -> dict[str, tuple]:
-    """``{key: (shape, dtype kind)}`` of a drafter folder, torch layout.
+def expected_tensors(cfg: DSparkConfig) -> dict[str, tuple]:
+    """``{key: (shape, dtype kind)}`` of a speculators 0.9.0 drafter folder, torch layout.
 
-    kind: ``"float"``, ``"int64"`` or ``"bool"``. ``target="speculators"``: what
-    speculators 0.9.0's ``save_pretrained`` writes (every trained tensor, plus
-    ``lm_head``/``d2t``/``t2d`` for a reduced draft vocab). ``target="vllm"``: what
-    vLLM's Qwen3DSpark loader accepts (no gated/rnn head tensors; ``t2d`` optional,
-    see :func:`optional_tensors`).
+    kind: ``"float"``, ``"int64"`` or ``"bool"``: what ``save_pretrained`` writes (every
+    trained tensor, plus ``lm_head``/``d2t``/``t2d`` for a reduced draft vocab). What
+    vLLM loads: :meth:`dspark_jax.convert.vllm_rules.Served.required_tensors`.
     """
     h, r = cfg.hidden_size, cfg.markov_rank
     nh, nkv, hd, inter = (
@@ -145,10 +141,10 @@ def expected_tensors(cfg: DSparkConfig, target: str = "speculators") -> dict[str
     if r > 0:
         out["markov_head.markov_w1.weight"] = ((vt, r), f)
         out["markov_head.markov_w2.weight"] = ((vd, r), f)
-        if target == "speculators" and cfg.markov_head_type == "gated":
+        if cfg.markov_head_type == "gated":
             out["markov_head.gate_proj.weight"] = ((r, h + r), f)
             out["markov_head.gate_proj.bias"] = ((r,), f)
-        if target == "speculators" and cfg.markov_head_type == "rnn":
+        if cfg.markov_head_type == "rnn":
             out["markov_head.joint_proj.weight"] = ((3 * r, 2 * r + h), f)
             out["markov_head.joint_proj.bias"] = ((3 * r,), f)
     if cfg.enable_confidence_head:
@@ -160,11 +156,6 @@ def expected_tensors(cfg: DSparkConfig, target: str = "speculators") -> dict[str
         out["d2t"] = ((vd,), "int64")
         out["t2d"] = ((vt,), "bool")
     return out
-
-
-def optional_tensors(cfg: DSparkConfig, target: str) -> set[str]:
-    """Keys a loader accepts but does not need (vLLM skips ``t2d``)."""
-    return {"t2d"} if target == "vllm" and cfg.uses_draft_vocab else set()
 
 
 # ---------------------------------------------------------------- config checks
@@ -210,8 +201,8 @@ class _Checker:
         return v
 
 
-def _check_config(d: dict, c: _Checker, target: str) -> None:
-    vllm = target == "vllm"
+def _check_config(d: dict, c: _Checker) -> None:
+    """What speculators 0.9.0's DSpark config and from_pretrained need."""
     if "model_type" in d:
         c.err(
             f"config.json: top-level 'model_type' ({d['model_type']!r}) must be absent: vLLM "
@@ -314,12 +305,6 @@ def _check_config(d: dict, c: _Checker, target: str) -> None:
                 )
                 if sw is not None and sw <= 0:
                     c.err(f"config.json: {w}sliding_window must be positive, got {sw}")
-                if d.get("sliding_window_non_causal") is True and vllm:
-                    c.err(
-                        "config.json: sliding_window_non_causal=true is not served by vLLM: "
-                        "its DSpark loader runs sliding_attention layers causal inside the "
-                        "block (the drafter was trained bidirectional there)"
-                    )
         if tl.get("tie_word_embeddings"):
             c.err(f"config.json: {w}tie_word_embeddings must be false")
     # DSpark fields (speculators defaults differ from vLLM's: require them explicitly).
@@ -353,40 +338,29 @@ def _check_config(d: dict, c: _Checker, target: str) -> None:
         "markov_rank",
         "int",
         "",
-        why=" (vLLM's Qwen3DSpark builds its Markov head from it: AttributeError)",
     )
-    if rank is not None and (rank < 0 or (vllm and rank == 0)):
-        c.err(
-            f"config.json: 'markov_rank' must be {'> 0 for vLLM' if vllm else '>= 0'}, got {rank}"
-        )
+    if rank is not None and rank < 0:
+        c.err(f"config.json: 'markov_rank' must be >= 0, got {rank}")
     head = c.field(d, "markov_head_type", "str", "")
     if head is not None and head not in ("vanilla", "gated", "rnn"):
         c.err(f"config.json: 'markov_head_type' must be vanilla/gated/rnn, got {head!r}")
-    elif head is not None and head != "vanilla" and vllm:
-        c.err(
-            f"config.json: markov_head_type={head!r} is not servable by vLLM: its Qwen3DSpark "
-            "has only the vanilla Markov head, and the extra head tensors are a hard load "
-            "error (use --target speculators to export for speculators only)"
-        )
     conf = c.field(
         d,
         "enable_confidence_head",
         "bool",
         "",
-        why=" (vLLM reads a missing value as False, speculators as True)",
     )
     with_markov = c.field(
         d,
         "confidence_head_with_markov",
         "bool",
         "",
-        why=" (vLLM reads a missing value as False, speculators as True)",
     )
     if conf and with_markov and rank == 0:
         c.err("config.json: confidence_head_with_markov=true needs markov_rank > 0")
     c.field(d, "sliding_window_non_causal", "bool", "", required=False)
     ths = c.field(d, "target_hidden_size", "int|null", "", required=False)
-    if ths is not None and not vllm and isinstance(tl, dict) and ths != tl.get("hidden_size"):
+    if ths is not None and isinstance(tl, dict) and ths != tl.get("hidden_size"):
         c.err(
             f"config.json: target_hidden_size={ths} != hidden_size: speculators 0.9.0 "
             "sizes fc from hidden_size and cannot load this drafter"
@@ -422,8 +396,11 @@ def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     return sorted(folder.glob("*.safetensors")), None
 
 
-def tensor_headers(folder: Path, c: _Checker | None = None) -> dict[str, tuple[tuple, str, Path]]:
-    """``{key: (shape, safetensors dtype, file)}`` over every weight file of ``folder``."""
+def tensor_headers(
+    folder: Path, c: _Checker | None = None, *, pt_metadata: bool = True
+) -> dict[str, tuple[tuple, str, Path]]:
+    """``{key: (shape, safetensors dtype, file)}`` over every weight file of ``folder``;
+    ``pt_metadata``: require the ``{"format": "pt"}`` metadata HF from_pretrained needs."""
     try:
         files, wmap = weight_files(folder)
     except ValueError as e:
@@ -439,7 +416,7 @@ def tensor_headers(folder: Path, c: _Checker | None = None) -> dict[str, tuple[t
             continue
         with safe_open(path, "np") as f:
             meta = f.metadata() or {}
-            if c and meta.get("format") != "pt":
+            if c and pt_metadata and meta.get("format") != "pt":
                 c.err(
                     f"{path.name}: safetensors metadata format must be 'pt' (HF/speculators "
                     f"from_pretrained needs it), got {meta.get('format')!r}"
@@ -456,64 +433,47 @@ def tensor_headers(folder: Path, c: _Checker | None = None) -> dict[str, tuple[t
     return out
 
 
-def _unexpected_reason(key: str, cfg: DSparkConfig, target: str) -> str:
+def _unexpected_reason(key: str, cfg: DSparkConfig) -> str:
     if key in FROZEN_KEYS:
         return f"{FROZEN_KEYS[key]}; never saved with the drafter"
     if key.startswith(("markov_head.gate_proj", "markov_head.joint_proj")):
-        return (
-            f"a {cfg.markov_head_type!r}-head tensor; vLLM's Qwen3DSpark has only the vanilla "
-            "Markov head (hard load error)"
-            if target == "vllm"
-            else f"not part of a {cfg.markov_head_type!r} head"
-        )
+        return f"not part of a {cfg.markov_head_type!r} head"
     if key in ("lm_head.weight", "d2t", "t2d") and not cfg.uses_draft_vocab:
         return "only saved when draft_vocab_size < vocab_size"
     if key.startswith("confidence_head.") and not cfg.enable_confidence_head:
         return "the config has enable_confidence_head=false"
-    if key.endswith(".bias"):
-        return (
-            "not declared by the config (vLLM silently drops unexpected biases, so the "
-            "served model would differ)"
-        )
-    return "vLLM raises on unexpected weights" if target == "vllm" else "not a DSpark tensor"
+    return "not a DSpark tensor"
 
 
-def _check_tensors(
-    folder: Path, cfg: DSparkConfig, c: _Checker, target: str, config_dtype: str | None
-) -> None:
+def _check_tensors(folder: Path, cfg: DSparkConfig, c: _Checker, config_dtype: str | None) -> None:
     headers = tensor_headers(folder, c)
     if not headers:
         c.err(f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE} (or any *.safetensors)")
         return
-    expected = expected_tensors(cfg, target)
-    optional = optional_tensors(cfg, target)
+    expected = expected_tensors(cfg)
     want_float = FLOAT_DTYPES.get(config_dtype)
     for key, (shape, kind) in expected.items():
         if key not in headers:
-            if key in optional:
-                continue
-            c.err(
-                f"missing tensor {key!r} {list(shape)}: vLLM would leave it uninitialised"
-                if target == "vllm"
-                else f"missing tensor {key!r} {list(shape)}"
-            )
+            c.err(f"missing tensor {key!r} {list(shape)}")
             continue
         got_shape, got_dtype, path = headers[key]
         if got_shape != shape:
             c.err(f"tensor {key!r} has shape {list(got_shape)}, expected {list(shape)}")
         if kind == "float" and got_dtype not in FLOAT_DTYPES.values():
             c.err(f"tensor {key!r} has dtype {got_dtype}, expected a float (BF16/F32/F16)")
-        elif kind == "float" and want_float and got_dtype != want_float:
+        elif (
+            kind == "float"
+            and want_float
+            and got_dtype != want_float
+            and not key.startswith("confidence_head.")  # fp32 by design (vLLM holds it so)
+        ):
             c.warn(f"tensor {key!r} is {got_dtype}, config.json says dtype {want_float}")
         elif kind == "int64" and got_dtype != "I64":
             c.err(f"tensor {key!r} has dtype {got_dtype}, expected I64")
         elif kind == "bool" and got_dtype != "BOOL":
             c.err(f"tensor {key!r} has dtype {got_dtype}, expected BOOL")
     for key in sorted(set(headers) - set(expected)):
-        c.err(
-            f"unexpected tensor {key!r} {list(headers[key][0])}: "
-            f"{_unexpected_reason(key, cfg, target)}"
-        )
+        c.err(f"unexpected tensor {key!r} {list(headers[key][0])}: {_unexpected_reason(key, cfg)}")
     if c.r.errors:
         return
     # Values: finite floats, consistent vocab maps.
@@ -540,10 +500,25 @@ def _check_tensors(
 
 
 # ---------------------------------------------------------------- entry point
-def check_folder(folder: str | os.PathLike, target: str = "vllm") -> CheckReport:
-    """Validate a drafter folder; every problem found is in the report's errors."""
+def check_folder(
+    folder: str | os.PathLike,
+    target: str = "vllm",
+    *,
+    verifier: str | os.PathLike | vllm_rules.Verifier | None = None,
+    tensor_parallel_size: int = 1,
+) -> CheckReport:
+    """Validate a drafter folder; every problem found is in the report's errors.
+
+    ``verifier`` (target vllm): a verifier folder or config.json, for the rules on its
+    vocabulary, hidden size and layer count. ``tensor_parallel_size``: the verifier's
+    TP size the drafter must split over. A bad ``verifier`` raises ValueError.
+    """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if verifier is not None and not isinstance(verifier, vllm_rules.Verifier):
+        verifier = vllm_rules.read_verifier(verifier)
     folder = Path(folder)
     report = CheckReport(folder=folder, target=target)
     c = _Checker(report)
@@ -559,7 +534,10 @@ def check_folder(folder: str | os.PathLike, target: str = "vllm") -> CheckReport
     if not isinstance(d, dict):
         c.err(f"{CONFIG_FILE} is not a JSON object")
         return report
-    _check_config(d, c, target)
+    if target == "vllm":
+        _check_vllm(folder, d, report, verifier, tensor_parallel_size)
+        return report
+    _check_config(d, c)
     try:
         report.config = DSparkConfig.from_speculators_dict(d, source=str(cfg_path))
     except (ValueError, TypeError, KeyError) as e:
@@ -568,5 +546,30 @@ def check_folder(folder: str | os.PathLike, target: str = "vllm") -> CheckReport
     if report.errors:
         c.warn("tensors not checked (fix config.json first)")
         return report
-    _check_tensors(folder, report.config, c, target, d.get("dtype"))
+    _check_tensors(folder, report.config, c, d.get("dtype"))
     return report
+
+
+def _check_vllm(folder, d, report, verifier, tensor_parallel_size) -> None:
+    c = _Checker(report)
+    headers = tensor_headers(folder, c, pt_metadata=False)
+    if report.errors:
+        return
+    found = vllm_rules.check(
+        d, headers, folder, verifier=verifier, tensor_parallel_size=tensor_parallel_size
+    )
+    report.errors += found.errors
+    report.warnings += found.warnings
+    report.notes += found.notes
+    if not report.ok:
+        return
+    try:
+        report.config = DSparkConfig.from_speculators_dict(d, source=str(folder / CONFIG_FILE))
+    except (ValueError, TypeError, KeyError) as e:
+        report.notes.append(f"dspark-jax cannot import or evaluate this folder: {e}")
+    report.serving = dict(
+        s=found.served,
+        folder_form=found.folder_form,
+        verifier=None if verifier is None else verifier.source,
+        tensor_parallel_size=tensor_parallel_size,
+    )

@@ -7,12 +7,20 @@ reduced draft vocabulary it also holds ``lm_head.weight`` (the verifier head's r
 ``t2d``, read from the verifier folder), ``d2t`` (int64) and ``t2d`` (bool), as
 speculators' ``save_pretrained`` writes them.
 
-The folder is written under a temporary name, checked (:mod:`dspark_jax.convert.check`)
-and only then renamed into place: a failed check leaves nothing at ``out_dir``.
+The confidence head is always written in fp32 (vLLM holds it in fp32), and with a
+calibration (``calibration.json`` of ``python -m dspark_jax.eval``) its weight and bias
+are divided by the global temperature, so the served confidences are calibrated; the
+record is copied into the folder. Every export also writes a model card ``README.md``
+(:mod:`dspark_jax.convert.card`).
+
+The folder is written under a temporary name, checked (:mod:`dspark_jax.convert.check`,
+against the local verifier when one is given) and only then renamed into place: a
+failed check leaves nothing at ``out_dir``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -26,6 +34,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dspark_jax.config import DSparkConfig
+from dspark_jax.convert.card import CARD_FILE, CardInputs, model_card
 from dspark_jax.convert.check import (
     CONFIG_FILE,
     SINGLE_FILE,
@@ -34,9 +43,11 @@ from dspark_jax.convert.check import (
     CheckReport,
     check_folder,
 )
+from dspark_jax.convert.vllm_rules import CALIBRATION_FILE
 from dspark_jax.data.vocab import check_vocab_maps
+from dspark_jax.eval import calibration as calib
 from dspark_jax.model.params import to_speculators
-from dspark_jax.train import checkpoint
+from dspark_jax.train import checkpoint, flags
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +93,7 @@ def folder_tensors(
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     np_dtype = DTYPES[dtype]
     tensors = {
-        k: np.ascontiguousarray(np.asarray(v, np.float32).astype(np_dtype))
+        k: np.ascontiguousarray(np.asarray(v, np.float32).astype(_tensor_dtype(k, np_dtype)))
         for k, v in to_speculators(params).items()
     }
     if cfg.uses_draft_vocab:
@@ -103,6 +114,20 @@ def folder_tensors(
     return tensors
 
 
+def _tensor_dtype(key: str, dtype):
+    # vLLM holds the confidence head in fp32 (DSparkConfidenceHead): a bf16 copy only rounds it.
+    return np.float32 if key.startswith("confidence_head.") else dtype
+
+
+def fold_temperature(tensors: dict[str, np.ndarray], temperature: float) -> None:
+    """Divide the confidence head by ``temperature`` in place (fp32): vLLM computes
+    ``sigmoid(x @ w.T + b)`` and reads no temperature, and ``sigmoid((x @ w.T + b) / T)``
+    equals ``sigmoid(x @ (w / T).T + b / T)``."""
+    for key in ("confidence_head.proj.weight", "confidence_head.proj.bias"):
+        value = np.asarray(tensors[key], np.float64) / float(temperature)
+        tensors[key] = np.ascontiguousarray(value.astype(np.float32))
+
+
 def export_params(
     cfg: DSparkConfig,
     params: nnx.State,
@@ -116,6 +141,9 @@ def export_params(
     verifier_architectures: list[str] | tuple[str, ...] | None = None,
     target: str = "vllm",
     overwrite: bool = False,
+    confidence_temperature: float | None = None,
+    calibration_record: dict | None = None,
+    card: CardInputs | None = None,
 ) -> CheckReport:
     """Write ``out_dir`` from trainable ``params`` (``nnx.state(model, nnx.Param)``).
 
@@ -127,6 +155,9 @@ def export_params(
         (default: the config's).
       target: ``"vllm"`` (default) or ``"speculators"``: what the folder is checked
         against. A failed check raises :class:`CheckError` and writes nothing.
+      confidence_temperature: folded into the confidence head (:func:`fold_temperature`);
+        ``calibration_record`` (its source) is then written as calibration.json.
+      card: the model card's inputs beyond the config (default: the folder name only).
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
@@ -147,6 +178,7 @@ def export_params(
         lm_head=lm_head,
         verifier_path=verifier_path,
     )
+    extra_files = _calibrate(cfg, tensors, confidence_temperature, calibration_record)
     config = cfg.to_speculators_dict()
     config["dtype"] = dtype
 
@@ -155,10 +187,17 @@ def export_params(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        report = check_folder(tmp, target=target)
+        for name, text in extra_files.items():
+            (tmp / name).write_text(text)
+        report = check_folder(tmp, target=target, verifier=_local_verifier(target, verifier_path))
         report.folder = out_dir
         if not report.ok:
             raise CheckError(report)
+        card = card or CardInputs(name=out_dir.name)
+        card = dataclasses.replace(
+            card, dtype=dtype, temperature=confidence_temperature, serve_commands=report.commands
+        )
+        (tmp / CARD_FILE).write_text(model_card(cfg, card))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -170,6 +209,67 @@ def export_params(
     return report
 
 
+def _local_verifier(target: str, verifier_path) -> Path | None:
+    """The verifier the vLLM check compares with: a local folder with config.json."""
+    if target != "vllm" or verifier_path is None:
+        return None
+    path = Path(verifier_path)
+    return path if (path / CONFIG_FILE).is_file() else None
+
+
+def _calibrate(cfg: DSparkConfig, tensors, temperature, record) -> dict[str, str]:
+    """Fold ``temperature`` into the head; the files that record it."""
+    if temperature is None:
+        return {}
+    if not cfg.enable_confidence_head:
+        raise ExportError(
+            "a calibration temperature needs a confidence head (the drafter has none)"
+        )
+    if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature > 0):
+        raise ExportError(f"confidence temperature must be a positive number, got {temperature!r}")
+    fold_temperature(tensors, temperature)
+    record = {**(record or {}), "temperature": float(temperature), "folded_into_head": True}
+    return {CALIBRATION_FILE: json.dumps(record, indent=2) + "\n"}
+
+
+def read_calibration(path, cfg: DSparkConfig, step: int | None) -> dict:
+    """A calibration.json of ``python -m dspark_jax.eval`` that fits this drafter."""
+    try:
+        record = calib.load_calibration(path)
+    except ValueError as e:
+        raise ExportError(f"--calibration {e}") from None
+    for name in ("block_size", "sample_from_anchor"):
+        if name in record and record[name] != getattr(cfg, name):
+            raise ExportError(
+                f"--calibration {path}: fitted for {name}={record[name]!r}, the drafter has "
+                f"{getattr(cfg, name)!r}"
+            )
+    if step is not None and record.get("step") not in (None, step):
+        raise ExportError(
+            f"--calibration {path}: fitted on step {record['step']}, exporting step {step}"
+        )
+    return record
+
+
+def read_eval_summary(eval_dir, cfg: DSparkConfig, step: int | None) -> dict:
+    """``<eval_dir>/summary.json`` of ``python -m dspark_jax.eval`` for this drafter."""
+    path = Path(eval_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"--eval-dir {path}: cannot read the eval summary ({e})") from None
+    if not isinstance(summary, dict) or summary.get("format") != "dspark-jax/eval-v1":
+        raise ExportError(f"--eval-dir {path}: not a dspark_jax.eval summary.json")
+    if summary.get("block_size") != cfg.block_size or (
+        step is not None and summary.get("step") not in (None, step)
+    ):
+        raise ExportError(
+            f"--eval-dir {path}: evaluated block_size {summary.get('block_size')} at step "
+            f"{summary.get('step')}, exporting block_size {cfg.block_size} at step {step}"
+        )
+    return summary
+
+
 def export_checkpoint(
     ckpt_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -179,15 +279,46 @@ def export_checkpoint(
     best_mode: str = "min",
     d2t_path: str | os.PathLike | None = None,
     t2d_path: str | os.PathLike | None = None,
+    calibration: str | os.PathLike | None = None,
+    eval_dir: str | os.PathLike | None = None,
     **kwargs,
 ) -> tuple[CheckReport, int]:
     """Export one step (an int, ``"latest"`` or ``"best"``) of an Orbax checkpoint.
 
     The vocab maps come from ``d2t_path``/``t2d_path`` or the checkpoint root
-    (``d2t-<Vd>.npy``/``t2d-<Vd>.npy``). Other keyword arguments: :func:`export_params`.
-    Returns the check report and the step exported.
+    (``d2t-<Vd>.npy``/``t2d-<Vd>.npy``). ``calibration``: an eval ``calibration.json``
+    whose global temperature is folded into the confidence head. ``eval_dir``: the eval
+    output folder whose acceptance table goes into the model card. Other keyword
+    arguments: :func:`export_params`. Returns the check report and the step exported.
     """
     loaded = checkpoint.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
     maps = checkpoint.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
-    report = export_params(loaded.cfg, loaded.params, out_dir, vocab_maps=maps, **kwargs)
+    card = _card_inputs(ckpt_dir, out_dir, loaded.step)
+    if eval_dir is not None:
+        card = dataclasses.replace(
+            card, eval_summary=read_eval_summary(eval_dir, loaded.cfg, loaded.step)
+        )
+    if calibration is not None:
+        record = read_calibration(calibration, loaded.cfg, loaded.step)
+        kwargs.update(confidence_temperature=record["temperature"], calibration_record=record)
+        card = dataclasses.replace(card, calibration=record)
+    report = export_params(loaded.cfg, loaded.params, out_dir, vocab_maps=maps, card=card, **kwargs)
     return report, loaded.step
+
+
+def _card_inputs(ckpt_dir, out_dir, step: int) -> CardInputs:
+    """The training command and sequence length of the run, from its run.yaml."""
+    run_yaml = Path(ckpt_dir) / "run.yaml"
+    if not run_yaml.is_file():
+        return CardInputs(name=Path(out_dir).name, step=step)
+    try:
+        values = flags.read_run_yaml(run_yaml)
+        command = flags.command_line(run_yaml)
+    except flags.ConfigError as e:
+        raise ExportError(f"{run_yaml}: {e}") from None
+    return CardInputs(
+        name=Path(out_dir).name,
+        step=step,
+        train_command=command,
+        total_seq_len=values.get("total_seq_len"),
+    )

@@ -24,6 +24,13 @@ calibrated temperatures produce, which is what makes it sequential (a per-positi
 fit on the conditional probabilities would ignore how errors compound along the
 prefix).
 
+**Global temperature**: one ``T`` for every position, fitted the same way on the
+survival of all positions pooled. vLLM's adaptive verification multiplies the raw
+per-slot sigmoids and reads no temperature, so this one is what ``converters export
+--calibration`` folds into the confidence head (weight and bias divided by ``T``);
+the per-position STS temperatures stay an evaluation report. It is saved as
+``calibration.json`` in the eval output folder.
+
 A block's position k is scored only when the slot mask covers positions 0..k.
 """
 
@@ -39,6 +46,9 @@ import numpy as np
 
 FORMAT = "dspark-jax/confidence-temperatures-v1"
 FORMULA = "p_k = sigmoid(logit_k / T_k); survival_k = prod_{j<=k} p_j (k = draft position)"
+CALIBRATION_FORMAT = "dspark-jax/calibration-v1"
+CALIBRATION_FILE = "calibration.json"
+GLOBAL_FORMULA = "p_k = sigmoid(logit_k / T) at every draft position; survival_k = prod_{j<=k} p_j"
 OBJECTIVES = ("nll", "ece")
 T_MIN, T_MAX = 0.05, 20.0
 _EPS = 1e-7
@@ -209,18 +219,48 @@ def fit_sequential_temperatures(
         y = label[keep[:, k], k]
         return nll(pred, y) if objective == "nll" else ece(pred, y, bins)
 
-    log_grid = np.linspace(np.log(T_MIN), np.log(T_MAX), grid)
-    step = log_grid[1] - log_grid[0]
     for k in range(n_pos):
         if keep[:, k].any():
-            losses = [loss(float(np.exp(g)), k) for g in log_grid]
-            best = log_grid[int(np.argmin(losses))]
-            fine = np.linspace(best - step, best + step, 41)
-            fine = fine[(fine >= log_grid[0]) & (fine <= log_grid[-1])]
-            fine_losses = [loss(float(np.exp(g)), k) for g in fine]
-            temps[k] = float(np.exp(fine[int(np.argmin(fine_losses))]))
+            temps[k] = _minimise_on_log_grid(lambda t, k=k: loss(t, k), grid)
         prev = prev * sigmoid(logits[:, k] / temps[k])
     return temps
+
+
+def _minimise_on_log_grid(loss, grid: int) -> float:
+    """argmin of ``loss(T)`` over a log-spaced grid of [T_MIN, T_MAX], refined around the best."""
+    log_grid = np.linspace(np.log(T_MIN), np.log(T_MAX), grid)
+    step = log_grid[1] - log_grid[0]
+    best = log_grid[int(np.argmin([loss(float(np.exp(g))) for g in log_grid]))]
+    fine = np.linspace(best - step, best + step, 41)
+    fine = fine[(fine >= log_grid[0]) & (fine <= log_grid[-1])]
+    return float(np.exp(fine[int(np.argmin([loss(float(np.exp(g))) for g in fine]))]))
+
+
+def fit_global_temperature(
+    logits: np.ndarray,
+    accepted: np.ndarray,
+    mask: np.ndarray,
+    *,
+    objective: str = "nll",
+    bins: int = 20,
+    grid: int = 161,
+) -> float:
+    """One temperature for all positions (the module docstring): the objective of the
+    survival ``S_k`` against ``Y_k`` pooled over every scored position. T = 1 when
+    nothing is scored."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    logits = np.asarray(logits, np.float64)
+    keep = scored(mask)
+    if not keep.any():
+        return 1.0
+    label = prefix_labels(accepted)[keep]
+
+    def loss(t: float) -> float:
+        pred = survival(logits, np.full(logits.shape[1], t))[keep]
+        return nll(pred, label) if objective == "nll" else ece(pred, label, bins)
+
+    return _minimise_on_log_grid(loss, grid)
 
 
 # ------------------------------------------------------------------ temperatures file
@@ -266,3 +306,31 @@ def load_temperatures(path: str | os.PathLike, rule: str | None = None) -> np.nd
     if temps.ndim != 1 or np.any(~np.isfinite(temps)) or np.any(temps <= 0):
         raise ValueError(f"{path}: temperatures must be positive finite numbers, got {temps}")
     return temps
+
+
+# ------------------------------------------------------------------ calibration.json
+def calibration_record(temperature: float, rule: str, **info: Any) -> dict[str, Any]:
+    """What ``converters export --calibration`` reads: the global temperature of ``rule``."""
+    return {
+        "format": CALIBRATION_FORMAT,
+        "formula": GLOBAL_FORMULA,
+        "rule": rule,
+        "temperature": float(temperature),
+        **info,
+    }
+
+
+def load_calibration(path: str | os.PathLike) -> dict[str, Any]:
+    """A ``calibration.json`` record; its ``temperature`` is a positive finite float."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a calibration file ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != CALIBRATION_FORMAT:
+        got = record.get("format") if isinstance(record, dict) else record
+        raise ValueError(f"{path}: format {got!r}, expected {CALIBRATION_FORMAT!r}")
+    t = record.get("temperature")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not np.isfinite(t) or t <= 0:
+        raise ValueError(f"{path}: 'temperature' must be a positive finite number, got {t!r}")
+    return record

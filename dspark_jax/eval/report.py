@@ -179,6 +179,7 @@ def _calibration(datasets, *, start, num_draft, fraction, rule, objective, bins,
         "fit_fraction": fraction,
         "bins": bins,
         "temperatures": {},
+        "global_temperature": {},  # one T for all positions: what export folds into the head
         "fit_blocks": int(sum(s.sum() for s in splits.values())) if given is None else 0,
         "source": "given" if given is not None else "fitted (sequential temperature scaling)",
         "datasets": {},
@@ -211,6 +212,9 @@ def _calibration(datasets, *, start, num_draft, fraction, rule, objective, bins,
                 temps = calibration.fit_sequential_temperatures(
                     logits, labels, masks, objective=objective, bins=bins
                 )
+                out["global_temperature"][r] = calibration.fit_global_temperature(
+                    logits, labels, masks, objective=objective, bins=bins
+                )
         if temps is not None:
             out["temperatures"][r] = [float(t) for t in temps]
 
@@ -222,18 +226,31 @@ def _calibration(datasets, *, start, num_draft, fraction, rule, objective, bins,
         for r in CALIBRATION_RULES:
             logits, labels, masks = arrays_of(ds, report_sel, r)
             pooled[r].append((logits, labels, masks))
-            entry[r] = _calib_entry(logits, labels, masks, out["temperatures"].get(r), bins)
+            entry[r] = _calib_entry(
+                logits,
+                labels,
+                masks,
+                out["temperatures"].get(r),
+                bins,
+                global_t=out["global_temperature"].get(r),
+            )
         out["datasets"][ds.name] = entry
     out["all"] = {}
     for r in CALIBRATION_RULES:
         logits, labels, masks = (np.concatenate(x) for x in zip(*pooled[r], strict=True))
         out["all"][r] = _calib_entry(
-            logits, labels, masks, out["temperatures"].get(r), bins, with_bins=True
+            logits,
+            labels,
+            masks,
+            out["temperatures"].get(r),
+            bins,
+            with_bins=True,
+            global_t=out["global_temperature"].get(r),
         )
     return out
 
 
-def _calib_entry(logits, labels, masks, temps, bins, with_bins=False):
+def _calib_entry(logits, labels, masks, temps, bins, with_bins=False, global_t=None):
     before = calibration.position_metrics(logits, labels, masks, None, bins=bins)
     entry = {
         "uncalibrated": {
@@ -247,6 +264,15 @@ def _calib_entry(logits, labels, masks, temps, bins, with_bins=False):
             "summary": calibration.summary(after),
             "per_position": [m.as_dict(with_bins) for m in after],
         }
+    if global_t is not None:
+        one = calibration.position_metrics(
+            logits, labels, masks, np.full(logits.shape[1], global_t), bins=bins
+        )
+        entry["global"] = {
+            "temperature": global_t,
+            "summary": calibration.summary(one),
+            "per_position": [m.as_dict(with_bins) for m in one],
+        }
     return entry
 
 
@@ -257,6 +283,19 @@ def _pct(v) -> str:
 
 def _f(v, digits=2) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def acceptance_table(report: dict[str, Any], key: str) -> list[str]:
+    """Markdown lines: per dataset, the share accepted through each draft position and
+    the acceptance length under method ``key`` (the model card's table)."""
+    n = report["draft_positions"]
+    header = ["data", *[f"pos{k}" for k in range(n)], "acceptance length"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * len(header)) + " |"]
+    for name, entry in report["datasets"].items():
+        c = entry["acceptance"][key]
+        cells = [name, *[_pct(v) for v in c["cumulative"]], _f(c["acceptance_length"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -273,15 +312,8 @@ def markdown(report: dict[str, Any]) -> str:
         ),
     ]
     for rule, cond in METHODS:
-        key = method_key(rule, cond)
         lines += ["", f"### {RULE_TITLES[rule]}; {CONDITIONING_TITLES[cond]}", ""]
-        header = ["data", *[f"pos{k}" for k in range(n)], "acceptance length"]
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("| " + " | ".join(["---"] * len(header)) + " |")
-        for name, entry in report["datasets"].items():
-            c = entry["acceptance"][key]
-            cells = [name, *[_pct(v) for v in c["cumulative"]], _f(c["acceptance_length"])]
-            lines.append("| " + " | ".join(cells) + " |")
+        lines += acceptance_table(report, method_key(rule, cond))
 
     lines += ["", "### Acceptance length by context length (anchor position in its document)", ""]
     heads = [
@@ -310,8 +342,9 @@ def markdown(report: dict[str, Any]) -> str:
                 f"temperatures {cal['source']}, objective {cal['objective']})"
             ),
             "",
-            "| data | rule | blocks | ECE | ECE after STS | AUROC | Brier | Brier after STS |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| data | rule | blocks | ECE | ECE after STS | ECE at global T | AUROC | Brier "
+            "| Brier after STS |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         rows = list(cal["datasets"].items()) + [("all", {"blocks": None, **cal["all"]})]
         for name, entry in rows:
@@ -319,15 +352,20 @@ def markdown(report: dict[str, Any]) -> str:
                 e = entry[rule]
                 before = e["uncalibrated"]["summary"]
                 after = e.get("calibrated", {}).get("summary", {})
+                one = e.get("global", {}).get("summary", {})
                 blocks = entry["blocks"] if entry["blocks"] is not None else ""
                 lines.append(
                     f"| {name} | {rule} | {blocks} | {_f(before['ece'], 4)} | "
-                    f"{_f(after.get('ece'), 4)} | {_f(before['auroc'], 3)} | "
-                    f"{_f(before['brier'], 4)} | {_f(after.get('brier'), 4)} |"
+                    f"{_f(after.get('ece'), 4)} | {_f(one.get('ece'), 4)} | "
+                    f"{_f(before['auroc'], 3)} | {_f(before['brier'], 4)} | "
+                    f"{_f(after.get('brier'), 4)} |"
                 )
         for rule, temps in cal["temperatures"].items():
             lines.append("")
             lines.append(f"STS temperatures ({rule}): " + ", ".join(f"{t:.3f}" for t in temps))
+        for rule, t in cal.get("global_temperature", {}).items():
+            lines.append("")
+            lines.append(f"Global temperature ({rule}; what export --calibration folds): {t:.4f}")
     return "\n".join(lines) + "\n"
 
 
@@ -379,7 +417,7 @@ def calibration_csv(report: dict[str, Any]) -> str:
         entries.append(("all", cal["all"]))
     for name, entry in entries:
         for rule in CALIBRATION_RULES:
-            for which in ("uncalibrated", "calibrated"):
+            for which in ("uncalibrated", "calibrated", "global"):
                 if which not in entry[rule]:
                     continue
                 for k, m in enumerate(entry[rule][which]["per_position"]):

@@ -23,7 +23,9 @@ temperature scaling fitted on half of the documents and scored on the other half
 (:mod:`dspark_jax.eval.calibration`); the temperatures are saved beside the checkpoint.
 
 Outputs in ``--output-dir``: ``acceptance.md`` (also printed), ``acceptance.csv``,
-``acceptance_by_context.csv``, ``calibration.csv``, ``summary.json``, and PNG plots
+``acceptance_by_context.csv``, ``calibration.csv``, ``summary.json``,
+``calibration.json`` (one global temperature, what ``converters export --calibration``
+folds into the confidence head), and PNG plots
 ``acceptance_by_position.png``, ``acceptance_by_context.png``,
 ``calibration_{sampled,greedy}.png`` (needs matplotlib: the ``eval`` extra).
 
@@ -488,12 +490,38 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         out = Path(args.temperatures_out) if args.temperatures_out else drafter.temperatures_path
         cal["file"] = str(calibration.save_temperatures(out, record))
     files = report.write_outputs(result, Path(args.output_dir), plots=not args.no_plots)
+    if cal and cal.get("global_temperature"):
+        files["calibration"] = _save_calibration(args, cal, drafter, n_draft, names)
     print(report.markdown(result), end="")
     for what, path in files.items():
         log.info("wrote %s: %s", what, path)
     if cal and cal.get("file"):
         log.info("wrote temperatures: %s", cal["file"])
     return result
+
+
+def _save_calibration(args, cal: dict[str, Any], drafter: Drafter, n_draft: int, names) -> Path:
+    """``<output-dir>/calibration.json``: the global temperature export folds into the head."""
+    rule = args.calibration_rule
+    held = cal["all"][rule]
+    record = calibration.calibration_record(
+        cal["global_temperature"][rule],
+        rule,
+        by_rule=dict(cal["global_temperature"]),
+        objective=args.sts_objective,
+        ece={  # on the documents outside the fitting split, all datasets pooled
+            "uncalibrated": held["uncalibrated"]["summary"]["ece"],
+            "calibrated": held["global"]["summary"]["ece"],
+        },
+        draft_positions=n_draft,
+        block_size=drafter.cfg.block_size,
+        sample_from_anchor=drafter.cfg.sample_from_anchor,
+        checkpoint=drafter.source,
+        step=drafter.step,
+        fit={"datasets": names, "fraction": args.calibration_fit_fraction, "seed": args.seed},
+    )
+    path = Path(args.output_dir) / calibration.CALIBRATION_FILE
+    return calibration.save_temperatures(path, record)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

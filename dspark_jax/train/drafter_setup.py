@@ -91,13 +91,25 @@ def resolve_target_layer_ids(args: TrainArgs, verifier: dict[str, Any]) -> list[
             "target layers were used when extracting hidden states, please set them explicitly.",
             ids,
         )
+    what = "target_layer_ids" if explicit else f"Default target layer ids {ids}"
+    check_target_layer_ids(ids, n, what)
+    return list(ids)
+
+
+def check_target_layer_ids(ids, n: int, what: str = "target_layer_ids") -> None:
+    """Refuse aux layer ids vLLM would not serve as trained (docs/formats.md, "What vLLM
+    0.33 requires"): it captures only layers 0..n and concatenates them ascending."""
+    ids = list(ids)
     if not ids or min(ids) < 0 or max(ids) > n or len(set(ids)) != len(ids):
-        what = "target_layer_ids" if explicit else f"Default target layer ids {ids}"
         raise ConfigError(
             f"{what} must be distinct and within [0, {n}] for a verifier with {n} hidden "
             f"layers, got {ids}"
         )
-    return list(ids)
+    if ids != sorted(ids):
+        raise ConfigError(
+            f"{what} must be ascending (vLLM concatenates the aux layers in ascending order), "
+            f"got {ids}; pass them sorted and extract the hidden states in that order"
+        )
 
 
 def derive_decoder(args: TrainArgs, verifier: dict[str, Any]) -> dict[str, Any]:
@@ -373,6 +385,11 @@ def build_draft(args: TrainArgs) -> DraftSetup:
     if args.from_pretrained:
         setup = _pretrained(args)
         _check_pretrained_flags(args, setup.cfg)
+        check_target_layer_ids(
+            setup.cfg.aux_hidden_state_layer_ids,
+            int(verifier["num_hidden_layers"]),
+            "--from-pretrained drafter's aux_hidden_state_layer_ids",
+        )
         if setup.cfg.vocab_size != int(verifier["vocab_size"]) or setup.cfg.hidden_size != int(
             verifier["hidden_size"]
         ):

@@ -106,6 +106,7 @@ def dry_run(trainer: PlannedRun) -> int:
         lines.append(online)
     if not trainer.is_main:
         return 0
+    from dspark_jax.convert.card import CARD_FILE
     from dspark_jax.convert.check import check_folder
     from dspark_jax.convert.export import export_params
 
@@ -118,7 +119,8 @@ def dry_run(trainer: PlannedRun) -> int:
         export_params(cfg, host, Path(tmp) / "draft", dtype=args.hidden_states_dtype,
                       vocab_maps=maps, lm_head=lm_head, target="speculators")  # fmt: skip
         for f in (Path(tmp) / "draft").iterdir():
-            shutil.move(str(f), save / f.name)
+            if f.name != CARD_FILE:  # a model card is for exported drafters, not --save-path
+                shutil.move(str(f), save / f.name)
     report = check_folder(save, target="vllm")
     check = "vLLM check: ok" if report.ok else "vLLM check fails: " + "; ".join(report.errors)
     lines.append(

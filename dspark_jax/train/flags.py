@@ -482,6 +482,33 @@ def _load_yaml(path: str) -> dict[str, Any]:
     return flat
 
 
+def read_run_yaml(run_yaml: str | os.PathLike) -> dict[str, Any]:
+    """Every flag's value for a run.yaml: its values over the defaults (not validated)."""
+    values = {f.dest: f.default for f in FLAGS}
+    values.update(_load_yaml(str(run_yaml)))
+    return values
+
+
+def command_line(run_yaml: str | os.PathLike) -> list[str]:
+    """``python -m dspark_jax.train`` argv with one flag per value of a run.yaml (what the
+    run was given), for model cards; it parses back to the same values."""
+    argv = ["python", "-m", "dspark_jax.train"]
+    for dest, value in _load_yaml(str(run_yaml)).items():
+        f = BY_DEST[dest]
+        if value is None:
+            continue
+        if f.type is None:
+            if value:
+                argv.append(f.flag)
+            elif f.optional_bool:
+                argv.append("--no-" + f.flag[2:])
+        elif f.nargs:
+            argv += [f.flag, *map(str, value if isinstance(value, list) else [value])]
+        else:
+            argv += [f.flag, str(value)]
+    return argv
+
+
 def _coerce(f: Flag, value: Any, source: str) -> Any:
     """Type-check a YAML value like argparse would parse the flag."""
     if value is None:

@@ -10,6 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from converters.__main__ import main
+from dspark_jax.convert.check import check_folder
 from dspark_jax.convert.export import ExportError, export_checkpoint, export_params
 from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.params import to_speculators
@@ -44,13 +45,45 @@ def test_config_and_tensors(tmp_path):
     ref = to_speculators(params)
     assert set(tensors) == set(ref)
     for k, v in ref.items():
-        assert tensors[k].dtype == ml_dtypes.bfloat16, k
-        np.testing.assert_array_equal(tensors[k], v.astype(ml_dtypes.bfloat16), err_msg=k)
+        # vLLM holds the confidence head in fp32: exported fp32 whatever --dtype says.
+        want = np.float32 if k.startswith("confidence_head.") else ml_dtypes.bfloat16
+        assert tensors[k].dtype == want, k
+        np.testing.assert_array_equal(tensors[k], v.astype(want), err_msg=k)
     # Torch layout: Linear kernels [in, out] are written [out, in].
     kernel = np.asarray(params["layers"][1]["self_attn"]["o_proj"]["kernel"][...])
     np.testing.assert_array_equal(
         tensors["layers.1.self_attn.o_proj.weight"], kernel.T.astype(ml_dtypes.bfloat16)
     )
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert card.startswith("---\nbase_model: moonshotai/Kimi-K3\n")
+    assert "vllm serve moonshotai/Kimi-K3 --spec-method dspark --spec-model" in card
+    assert "Not recorded (the checkpoint has no run.yaml)" in card
+
+
+def test_confidence_head_fp32_and_a_folded_temperature(tmp_path):
+    cfg = base_config()
+    params = random_params(cfg, seed=1)
+    ref = to_speculators(params)
+    export_params(cfg, params, tmp_path / "out", verifier_name_or_path="org/v",
+                  confidence_temperature=2.5, calibration_record={"rule": "sampled"})  # fmt: skip
+    with safe_open(tmp_path / "out" / "model.safetensors", "np") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes["confidence_head.proj.weight"] == dtypes["confidence_head.proj.bias"] == "F32"
+    assert dtypes["markov_head.markov_w2.weight"] == "BF16"
+    tensors = read(tmp_path / "out")
+    for key in ("confidence_head.proj.weight", "confidence_head.proj.bias"):
+        want = (ref[key].astype(np.float64) / 2.5).astype(np.float32)
+        np.testing.assert_array_equal(tensors[key], want, err_msg=key)
+    record = json.loads((tmp_path / "out" / "calibration.json").read_text())
+    assert record == {"rule": "sampled", "temperature": 2.5, "folded_into_head": True}
+    assert (
+        "calibrated (temperature 2.5000 folded in)" in (tmp_path / "out" / "README.md").read_text()
+    )
+    report = check_folder(tmp_path / "out")
+    assert report.ok and not any("[calibration:" in n for n in report.notes)
+    nohead = base_config(enable_confidence_head=False)
+    with pytest.raises(ExportError, match="needs a confidence head"):
+        export_params(nohead, random_params(nohead), tmp_path / "x", confidence_temperature=2.0)
 
 
 def test_float32_export_is_exact(tmp_path):
@@ -131,8 +164,9 @@ def test_cli_export(tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "export refused: the folder fails the vllm check" in err
-    assert "markov_head_type='rnn' is not servable by vLLM" in err
+    assert "markov_head_type='rnn' is not served by vLLM" in err
     assert not (tmp_path / "out").exists()
     assert main([*argv, "--target", "speculators", "--step", "2"]) == 0
     assert "exported step 2" in capsys.readouterr().out
     assert main(["check", str(tmp_path / "out"), "--target", "speculators"]) == 0
+    assert "vLLM 0.33 does not serve it" in (tmp_path / "out" / "README.md").read_text()

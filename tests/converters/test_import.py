@@ -25,8 +25,13 @@ from tests.converters.helpers import (
 
 
 def bf16_round(params):
-    return {
+    """The params as a bf16 export holds them (the confidence head is exported fp32)."""
+    bf16 = {
         k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in flat_params(params).items()
+    }
+    return {
+        k: v if k.startswith("confidence_head/") else bf16[k]
+        for k, v in flat_params(params).items()
     }
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.convert.export import export_checkpoint
+from dspark_jax.eval import calibration
 from dspark_jax.eval import runner as dspark_eval
 from dspark_jax.train import checkpoint as orbax_io
 from tests.eval.conftest import train_tiny
@@ -36,7 +37,7 @@ def test_outputs_of_an_orbax_checkpoint(random_run, eval_setup, tmp_path):
     names = {p.name for p in out.iterdir()}
     assert {
         "acceptance.md", "acceptance.csv", "acceptance_by_context.csv", "calibration.csv",
-        "summary.json", "acceptance_by_position.png", "acceptance_by_context.png",
+        "summary.json", "calibration.json", "acceptance_by_position.png", "acceptance_by_context.png",
         "calibration_sampled.png", "calibration_greedy.png",
     } <= names  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())
@@ -93,6 +94,48 @@ def test_a_speculators_folder_gives_the_same_numbers(random_run, eval_setup, tmp
     assert (folder / "confidence_temperatures.json").exists()
 
 
+@pytest.fixture(scope="module")
+def trained(eval_setup, tmp_path_factory):
+    """A few optax steps on the training data: (checkpoint, losses)."""
+    cfg = eval_setup.cfg
+    params, losses = train_tiny(cfg, eval_setup.verifier, eval_setup.data.data_path, steps=40)
+    ckpt = tmp_path_factory.mktemp("trained") / "ckpt"
+    orbax_io.save_params_checkpoint(ckpt, 40, cfg, params)
+    return ckpt, losses
+
+
+def test_exported_head_has_the_calibrated_ece(trained, eval_setup, tmp_path):
+    """The global temperature of calibration.json, folded into the exported confidence
+    head (fp32, as vLLM serves it): the exported drafter's raw ECE on the held-out split
+    is the calibrated ECE eval reported."""
+    ckpt, _ = trained
+    out = tmp_path / "eval"
+    cal = dspark_eval.run(
+        _argv(eval_setup, ckpt, out, "--no-plots", datasets=("heldout",))
+    )["calibration"]
+    record = json.loads((out / "calibration.json").read_text())
+    t = cal["global_temperature"]["sampled"]
+    assert record["rule"] == "sampled" and record["temperature"] == t
+    assert calibration.T_MIN < t < calibration.T_MAX and abs(t - 1) > 0.05
+    held = cal["all"]["sampled"]
+    assert record["ece"] == {
+        "uncalibrated": held["uncalibrated"]["summary"]["ece"],
+        "calibrated": held["global"]["summary"]["ece"],
+    }
+    folder = tmp_path / "drafter"
+    export_checkpoint(ckpt, folder, dtype="float32", verifier_path=eval_setup.verifier,
+                      calibration=out / "calibration.json")  # fmt: skip
+    got = dspark_eval.run(
+        _argv(eval_setup, folder, tmp_path / "out", "--no-plots", "--no-save-temperatures",
+              datasets=("heldout",))
+    )["calibration"]["all"]["sampled"]["uncalibrated"]  # fmt: skip
+    assert got["summary"]["ece"] == pytest.approx(held["global"]["summary"]["ece"], abs=1e-6)
+    for mine, want in zip(got["per_position"], held["global"]["per_position"], strict=True):
+        assert mine["n"] == want["n"] and mine["ece"] == pytest.approx(want["ece"], abs=1e-6)
+    # The temperature changed the numbers (the equality is not a no-op).
+    assert abs(held["uncalibrated"]["summary"]["ece"] - got["summary"]["ece"]) > 1e-3
+
+
 def test_errors_name_the_flag(eval_setup, tmp_path, capsys):
     rc = dspark_eval.main(_argv(eval_setup, tmp_path / "nope", tmp_path))
     assert rc == 2 and "--checkpoint" in capsys.readouterr().err
@@ -102,14 +145,13 @@ def test_errors_name_the_flag(eval_setup, tmp_path, capsys):
     assert rc == 2 and "unknown datasets ['zzz']" in capsys.readouterr().err
 
 
-def test_a_trained_drafter_prints_its_table_and_plots(random_run, eval_setup, tmp_path, capsys):
+def test_a_trained_drafter_prints_its_table_and_plots(
+    random_run, trained, eval_setup, tmp_path, capsys
+):
     """Item 4's stand-in until the demo drafter exists: a few optax steps on the training
     data, then the command on the held-out data."""
-    cfg = eval_setup.cfg
-    params, losses = train_tiny(cfg, eval_setup.verifier, eval_setup.data.data_path, steps=40)
+    ckpt, losses = trained
     assert losses[-1] < 0.5 * losses[0]
-    ckpt = tmp_path / "trained"
-    orbax_io.save_params_checkpoint(ckpt, 40, cfg, params)
     capsys.readouterr()
     rc = dspark_eval.main(_argv(eval_setup, ckpt, tmp_path / "out", datasets=("heldout",)))
     assert rc == 0

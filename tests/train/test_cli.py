@@ -119,6 +119,7 @@ def test_seed_command_parses_and_dry_runs(k3, tmp_path, capsys):
     )
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 8
     assert (save / "model.safetensors").is_file() and (save / "run.yaml").is_file()
+    assert not (save / "README.md").exists()  # model cards are for exports
     assert "vLLM check: ok" in out
 
 
@@ -358,6 +359,33 @@ def test_target_layers_default_to_the_extraction_record(tmp_path):
         ]
     )
     assert draft_init.build_draft(args).cfg.aux_hidden_state_layer_ids == (1, 5)
+
+
+def test_aux_layers_vllm_cannot_serve_are_refused_at_train_start(tmp_path):
+    """vLLM concatenates aux layers ascending and captures only layers 0..N."""
+    from dspark_jax.config import DSparkConfig
+
+    verifier = write_verifier(tmp_path / "v", layers=4)
+    base = ["--verifier-name-or-path", str(verifier), "--data-path", str(tmp_path)]
+    base += ["--mask-token-id", "3"]
+    for ids, message in (
+        (["3", "1"], r"must be ascending.*extract the hidden states"),
+        (["1", "5"], r"within \[0, 4\]"),
+    ):
+        args = cli.resolve([*base, "--target-layer-ids", *ids])
+        with pytest.raises(cli.ConfigError, match=message):
+            draft_init.build_draft(args)
+    # A drafter made for a deeper verifier: refused before any training step.
+    folder = tmp_path / "deeper"
+    folder.mkdir()
+    DSparkConfig(
+        hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=4, num_hidden_layers=1, vocab_size=1024, mask_token_id=3, markov_rank=4,
+        aux_hidden_state_layer_ids=(1, 6),
+    ).save_json(folder / "config.json")  # fmt: skip
+    args = cli.resolve([*base[:4], "--from-pretrained", str(folder)])
+    with pytest.raises(cli.ConfigError, match=r"--from-pretrained drafter's .* within \[0, 4\]"):
+        draft_init.build_draft(args)
 
 
 def test_no_arguments_runs_the_demo_or_names_the_command(tmp_path, monkeypatch, capsys):
