@@ -1,7 +1,8 @@
 """``python -m converters export|import|check`` (see each module for details).
 
 Exit status: 0 on success, 1 when the check fails or the input is unusable (the
-message names the file, field or tensor), 2 on bad arguments.
+message names the file, field or tensor), 2 on bad arguments. Errors are one line;
+``--debug`` or ``DSPARK_DEBUG=1`` shows the traceback (:mod:`dspark_jax.cli`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ def _warm_start(args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore INFO lines
