@@ -22,12 +22,15 @@ $(DEMO)/heldout/hidden_states/extraction_config.json:
 	$(PY) -m launch.extract_hidden_states --backend hf --model $(VERIFIER) \
 		--preprocessed-data $(DEMO)/heldout --target-layer-ids 1 2 3
 
-# 2. Train the drafter (configs/demo/train.yaml; resumes if interrupted).
-$(DEMO)/checkpoints/run.yaml: $(DEMO)/data/hidden_states/extraction_config.json
+# 2. Train the drafter (configs/demo/train.yaml; resumes if interrupted). The target is
+# written only when training completes: an interrupted run exits 130/143, which stops
+# make, and the next `make demo` resumes it instead of exporting a partial checkpoint.
+$(DEMO)/checkpoints/training_complete: $(DEMO)/data/hidden_states/extraction_config.json
 	$(PY) -m dspark_jax.train
+	touch $@
 
 # 3. Export the best checkpoint in the format `vllm serve --spec-method dspark` loads.
-$(DEMO)/export/config.json: $(DEMO)/checkpoints/run.yaml
+$(DEMO)/export/config.json: $(DEMO)/checkpoints/training_complete
 	$(PY) -m converters export $(DEMO)/checkpoints $(DEMO)/export --step best \
 		--verifier-path $(VERIFIER) --overwrite
 

@@ -4,6 +4,7 @@ rows under --minimum-valid-tokens, and matches speculators 0.9.0's prepare-data.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from launch.prepare_data import LocalRenderer, boundary_rows, main, prepare, vocab_maps
+
+from tests.converters.helpers import tree_digest
 
 from .conftest import demo_conversations, write_jsonl
 
@@ -204,3 +207,55 @@ def test_accepts_the_seed_command():
     assert (a.model, a.trust_remote_code, a.data, a.seq_length, a.num_preprocessing_workers,
             a.minimum_valid_tokens) == ("moonshotai/Kimi-K3", True, ["./data.jsonl"], 8192, 48,
                                         16)
+
+
+def test_draft_vocab_size_is_checked_first_and_a_rerun_adds_the_maps(
+    tmp_path, verifier_path, small_prepared, capsys
+):
+    """Issue 18.7: a size beyond the vocabulary stops before anything is written (or an
+    existing dataset changed); a rerun with a valid size writes the missing maps, the
+    ones a first run would have written, and leaves the dataset byte-identical."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"conversations": CONV}])
+    base = ["--model", verifier_path, "--data", str(data), "--num-preprocessing-workers", "1"]
+    assert main([*base, "--output", str(tmp_path / "new"), "--draft-vocab-size", "5000"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "error: --draft-vocab-size 5000 exceeds the verifier vocabulary (4096 tokens)"
+    )
+    assert not (tmp_path / "new").exists()
+
+    prepared = tmp_path / "prepared"  # made without --draft-vocab-size
+    shutil.copytree(small_prepared, prepared)
+    before = tree_digest(prepared)
+    assert main([*base, "--output", str(prepared), "--draft-vocab-size", "5000"]) == 1
+    assert tree_digest(prepared) == before
+    assert main([*base, "--output", str(prepared), "--draft-vocab-size", "64"]) == 0
+    after = tree_digest(prepared)
+    assert set(after) - set(before) == {"d2t-64.npy", "t2d-64.npy"}
+    assert {k: after[k] for k in before} == before
+    counts = np.load(prepared / "token_counts.npy")
+    d2t, t2d = vocab_maps({i: int(c) for i, c in enumerate(counts) if c}, 64, counts.size)
+    np.testing.assert_array_equal(np.load(prepared / "d2t-64.npy"), d2t)
+    np.testing.assert_array_equal(np.load(prepared / "t2d-64.npy"), t2d)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "the file is empty (expected JSON rows)"),
+        ("\n\n", "the file is empty (expected JSON rows)"),
+        ('{"conversations": []}\n{"conversations": [\n', "not readable as JSON/JSONL rows ("),
+    ],
+)
+def test_empty_or_malformed_jsonl_is_one_line(tmp_path, verifier_path, capsys, content, message):
+    """Issue 18.10: the file is named, nothing is written."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(content)
+    out = tmp_path / "o"
+    argv = ["--model", verifier_path, "--data", str(data), "--output", str(out)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: --data {data}: {message}"), err
+    assert not out.exists()

@@ -136,10 +136,11 @@ def test_ctrl_c_leaves_no_partial_file(tmp_path, verifier_path, bigger_prepared,
     assert len(_check_all_final_files(out, rows, len(DEMO_TARGET_LAYERS) + 1)) == len(rows)
 
 
-def test_other_layer_ids_refused_in_same_folder(tmp_path, verifier_path, small_prepared):
+def test_other_layer_ids_refused_in_same_folder(tmp_path, verifier_path, small_prepared, capsys):
     out = tmp_path / "hs"
     base = ["--backend", "hf", "--model", verifier_path, "--preprocessed-data",
             str(small_prepared), "--output", str(out), "--max-samples", "1", "--device", "cpu"]
     assert main([*base, "--target-layer-ids", "1", "2", "3"]) == 0
-    with pytest.raises(ValueError, match="other settings"):
-        main([*base, "--target-layer-ids", "1", "2"])
+    assert main([*base, "--target-layer-ids", "1", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "other settings" in err[-1]
