@@ -288,6 +288,12 @@ def _load_json(path: str, files):
     for f in [files] if isinstance(files, str) else files:
         if Path(f).is_file() and not Path(f).read_bytes().strip():
             raise ValueError(f"--data {f}: the file is empty (expected JSON rows)")
+    from dspark_jax.cli import debug_enabled
+
+    quiet = logging.getLogger("datasets")  # it logs the parse error too: said once, below
+    level = quiet.level
+    if not debug_enabled():
+        quiet.setLevel(logging.CRITICAL)
     try:
         return load_dataset("json", data_files=files, split="train")
     except Exception as e:  # noqa: BLE001 - datasets wraps the parser's error
@@ -296,6 +302,8 @@ def _load_json(path: str, files):
             cause = cause.__cause__
         why = " ".join(str(cause).split()) or type(cause).__name__
         raise ValueError(f"--data {path}: not readable as JSON/JSONL rows ({why})") from e
+    finally:
+        quiet.setLevel(level)
 
 
 def load_raw_rows(path: str):

@@ -228,8 +228,9 @@ def test_draft_vocab_size_is_checked_first_and_a_rerun_adds_the_maps(
     prepared = tmp_path / "prepared"  # made without --draft-vocab-size
     shutil.copytree(small_prepared, prepared)
     before = tree_digest(prepared)
-    assert main([*base, "--output", str(prepared), "--draft-vocab-size", "5000"]) == 1
-    assert tree_digest(prepared) == before
+    for extra in ([], ["--overwrite"]):  # --overwrite would have removed it first
+        assert main([*base, "--output", str(prepared), "--draft-vocab-size", "5000", *extra]) == 1
+        assert tree_digest(prepared) == before
     assert main([*base, "--output", str(prepared), "--draft-vocab-size", "64"]) == 0
     after = tree_digest(prepared)
     assert set(after) - set(before) == {"d2t-64.npy", "t2d-64.npy"}
