@@ -129,6 +129,7 @@ def _main(argv: list[str]) -> int:
             print(report.format())
         return 0 if report.ok else 1
 
+    from dspark_jax.cli import reraise_if_debug
     from dspark_jax.convert.check import CheckError
     from dspark_jax.data.vocab import VocabError
     from dspark_jax.train.checkpoint import CheckpointError
@@ -154,6 +155,7 @@ def _main(argv: list[str]) -> int:
                     overwrite=args.overwrite,
                 )
             except ExportError as e:
+                reraise_if_debug()
                 print(f"export failed: {e}", file=sys.stderr)
                 return 1
             print(f"exported step {step} of {args.checkpoint}\n{report.format()}")
@@ -170,6 +172,7 @@ def _main(argv: list[str]) -> int:
                 overwrite=args.overwrite,
             )
         except ImportFolderError as e:
+            reraise_if_debug()
             print(f"import failed: {e}", file=sys.stderr)
             return 1
         print(
@@ -182,12 +185,14 @@ def _main(argv: list[str]) -> int:
         )
         return 0
     except CheckError as e:
+        reraise_if_debug()
         print(
             f"{args.command} refused: the folder fails the {e.report.target} check\n{e}",
             file=sys.stderr,
         )
         return 1
     except (CheckpointError, VocabError, FileNotFoundError) as e:
+        reraise_if_debug()
         print(f"{args.command} failed: {e}", file=sys.stderr)
         return 1
 

@@ -33,13 +33,24 @@ def one_line(error: BaseException) -> str:
     return text if len(text) <= MAX_CHARS else text[: MAX_CHARS - 3] + "..."
 
 
+def reraise_if_debug() -> None:
+    """In an ``except`` block that prints a command's own one-line error: with debugging
+    on, let the exception (and its traceback) through instead."""
+    if debug_enabled():
+        raise  # the exception being handled by the caller
+
+
 def guarded(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` (``--debug`` removed); an escaping exception -> one line, status 1.
 
-    Ctrl-C exits 130 with one line, as shells report SIGINT.
+    ``--debug`` sets ``DSPARK_DEBUG=1`` for the process, so that every part (Orbax's
+    error logs, a command's own error lines) sees it. Ctrl-C exits 130 with one line,
+    as shells report SIGINT.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_enabled(argv)
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
     cut = argv.index("--") if "--" in argv else len(argv)
     argv = [a for a in argv[:cut] if a != DEBUG_FLAG] + argv[cut:]
     try:

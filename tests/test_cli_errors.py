@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax.cli import guarded, one_line
+from dspark_jax.cli import guarded, one_line, reraise_if_debug
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_VERIFIER = ROOT / "configs" / "demo" / "verifier"
@@ -99,7 +99,7 @@ CASES = {
     "export over the checkpoint": (
         "converters", "export {run} {run} --overwrite", "export failed: --overwrite refused"),
     "export under a file": (
-        "converters", "export {run} {root}/a_file/out", "error: [Errno 17] File exists: '{root}/a_file'"),
+        "converters", "export {run} {root}/a_file/out", "export failed: cannot write {root}/a_file/out: File exists ({root}/a_file)"),
     "eval a truncated folder": (
         "dspark_jax.eval",
         "--checkpoint {truncated} --dataset d={nan_data} --output-dir {root}/e1",
@@ -174,14 +174,14 @@ def test_python_m_prints_one_line(inputs, case):
 
 
 def test_dspark_debug_shows_the_traceback(inputs):
-    module, argv, _ = _expand(inputs, "export under a file")
+    module, argv, _ = _expand(inputs, "train on a mesh the devices do not fit")
     proc = _run(module, argv, debug=True)
     assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
-    assert "FileExistsError" in proc.stderr
+    assert "ValueError: --mesh: axis sizes" in proc.stderr
 
 
 def test_the_guard(capsys, monkeypatch):
-    monkeypatch.delenv("DSPARK_DEBUG", raising=False)
+    monkeypatch.setenv("DSPARK_DEBUG", "0")  # off; and removed again after the test
 
     def fails(argv):
         raise KeyError(f"no {argv}")
@@ -190,9 +190,16 @@ def test_the_guard(capsys, monkeypatch):
     assert capsys.readouterr().err == "error: KeyError: \"no ['x']\"\n"
     with pytest.raises(KeyError):
         guarded(fails, ["x", "--debug"])  # --debug is removed before the command sees it
+    assert os.environ["DSPARK_DEBUG"] == "1"  # and seen by every part of the process
+    monkeypatch.setenv("DSPARK_DEBUG", "0")
     assert guarded(lambda argv: len(argv), ["a", "--", "--debug"]) == 3  # after --: not ours
     monkeypatch.setenv("DSPARK_DEBUG", "1")
     with pytest.raises(KeyError):
         guarded(fails, [])
+    with pytest.raises(ValueError, match="known"):  # a command's own error line, too
+        try:
+            raise ValueError("known")
+        except ValueError:
+            reraise_if_debug()
     error = ValueError('line one\n  line two [tensorstore_spec=\'{"driver": "zarr"}\']')
     assert one_line(error) == "line one line two"

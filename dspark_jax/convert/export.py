@@ -199,8 +199,11 @@ def export_params(
     config = cfg.to_speculators_dict()
     config["dtype"] = dtype
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_partial_dir(out_dir)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _new_partial_dir(out_dir)
+    except OSError as e:  # read-only, or a file on the way: name the destination
+        raise ExportError(f"cannot write {out_dir}: {e.strerror} ({e.filename})") from e
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})

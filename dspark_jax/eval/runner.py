@@ -503,11 +503,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str]) -> int:
+    from dspark_jax.cli import reraise_if_debug
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore INFO lines
     try:
         run(argv)
     except EvalError as e:
+        reraise_if_debug()
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

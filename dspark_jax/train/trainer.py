@@ -693,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     setup_logging()
+    from dspark_jax.cli import reraise_if_debug
     from dspark_jax.data.vocab import VocabError
 
     try:
@@ -711,8 +712,10 @@ def _main(argv: list[str]) -> int:
         )
         return run(args)
     except ConfigError as e:
+        reraise_if_debug()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (DataError, VocabError, CheckpointError) as e:
+        reraise_if_debug()
         print(f"error: {e}", file=sys.stderr)
         return 1
