@@ -10,10 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.converters.helpers import tree_digest
-
 from launch.hf_extract import HFExtractor
 from launch.hs_files import resolve_layer_ids
+from tests.converters.helpers import tree_digest
 
 from .conftest import DEMO_TARGET_LAYERS
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from launch.prepare_data import LocalRenderer, boundary_rows, main, prepare, vocab_maps
-
 from tests.converters.helpers import tree_digest
 
 from .conftest import demo_conversations, write_jsonl
