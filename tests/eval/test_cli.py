@@ -174,8 +174,9 @@ def test_values_without_data_are_null_in_summary_json(random_run, tmp_path):
     report["calibration"]["all"]["sampled"]["uncalibrated"]["summary"]["auroc"] = math.nan
     files = eval_report.write_outputs(report, tmp_path, plots=False)
     summary = json.loads(files["json"].read_text())
-    assert summary["datasets"]["train"]["acceptance"]["analytic/free_running"][
-        "acceptance_length"
-    ] is None
+    assert (
+        summary["datasets"]["train"]["acceptance"]["analytic/free_running"]["acceptance_length"]
+        is None
+    )
     assert summary["calibration"]["all"]["sampled"]["uncalibrated"]["summary"]["auroc"] is None
     assert "| train |" in files["markdown"].read_text() and "n/a" in files["markdown"].read_text()

@@ -41,8 +41,9 @@ def test_demo_verifier_predictions_are_structured(extractor, demo_tokenizer):
     for conv in convs:
         text = demo_tokenizer.apply_chat_template(conv, tokenize=False)
         ids = demo_tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompt = demo_tokenizer.apply_chat_template(conv[:-1], tokenize=False,
-                                                    add_generation_prompt=True)
+        prompt = demo_tokenizer.apply_chat_template(
+            conv[:-1], tokenize=False, add_generation_prompt=True
+        )
         start = len(demo_tokenizer(prompt, add_special_tokens=False)["input_ids"])
         with torch.inference_mode():
             logits = extractor.model(input_ids=torch.tensor([ids])).logits[0].float()
@@ -59,7 +60,8 @@ def test_demo_verifier_predictions_are_structured(extractor, demo_tokenizer):
 
 def test_corpus_builder(tmp_path):
     src = tmp_path / "mod.py"
-    src.write_text(textwrap.dedent('''
+    src.write_text(
+        textwrap.dedent('''
         class A:
             def f(self, x):
                 """Return x plus one.
@@ -73,7 +75,8 @@ def test_corpus_builder(tmp_path):
             """Add."""
             c = a + b
             return c
-        '''))
+        ''')
+    )
     fns = extract_functions(src)
     assert [f["qual"] for f in fns] == ["A.f", "g"]
     assert fns[0]["sig"] == "(self, x)" and fns[0]["summary"] == "Return x plus one."

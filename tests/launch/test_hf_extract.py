@@ -44,8 +44,12 @@ def test_slots_are_residual_stream_and_last_is_prenorm(verifier_path, demo_token
         assert not torch.equal(last, ref[n])
         assert torch.equal(ex.model.model.norm(last), ref[n])
         # and feeds the verifier's lm_head to give its logits
-        torch.testing.assert_close(ex.model.lm_head(ex.model.model.norm(last)).float(),
-                                   out.logits[0].float(), rtol=0, atol=0)
+        torch.testing.assert_close(
+            ex.model.lm_head(ex.model.model.norm(last)).float(),
+            out.logits[0].float(),
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_batched_extraction_matches_single_rows(extractor, demo_tokenizer):
@@ -74,9 +78,28 @@ def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, extracto
     from launch.extract_hidden_states import main
 
     out = tmp_path / "hs"
-    rc = main(["--backend", "hf", "--model", verifier_path, "--preprocessed-data",
-               str(small_prepared), "--output", str(out), "--target-layer-ids", "1", "2", "3",
-               "--batch-size", "1", "--max-samples", "4", "--device", "cpu"])
+    rc = main(
+        [
+            "--backend",
+            "hf",
+            "--model",
+            verifier_path,
+            "--preprocessed-data",
+            str(small_prepared),
+            "--output",
+            str(out),
+            "--target-layer-ids",
+            "1",
+            "2",
+            "3",
+            "--batch-size",
+            "1",
+            "--max-samples",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
     assert rc == 0
     ds = load_from_disk(str(small_prepared)).with_format(None)
     assert sorted(p.name for p in out.glob("hs_*")) == [f"hs_{i}.safetensors" for i in range(4)]
@@ -89,9 +112,25 @@ def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, extracto
 
 
 def _cli(model, data, out, *extra):
-    return ["--backend", "hf", "--model", str(model), "--preprocessed-data", str(data),
-            "--output", str(out), "--target-layer-ids", "1", "2", "3", "--batch-size", "1",
-            "--device", "cpu", *extra]
+    return [
+        "--backend",
+        "hf",
+        "--model",
+        str(model),
+        "--preprocessed-data",
+        str(data),
+        "--output",
+        str(out),
+        "--target-layer-ids",
+        "1",
+        "2",
+        "3",
+        "--batch-size",
+        "1",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_a_verifier_missing_a_tensor_is_refused(tmp_path, small_prepared, verifier_path, capsys):

@@ -309,6 +309,5 @@ def test_a_validation_without_samples_is_no_loss(tmp_path):
     assert (t.best_val_loss, t.ckpt.best_step) == (math.inf, None)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert out.getvalue() == (
-        "validation epoch 0: no supervised token (4 samples skipped); no validation loss "
-        "recorded\n"
+        "validation epoch 0: no supervised token (4 samples skipped); no validation loss recorded\n"
     )
