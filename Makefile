@@ -26,13 +26,16 @@ $(DEMO)/heldout/hidden_states/extraction_config.json:
 	$(PY) -m launch.extract_hidden_states --backend hf --model $(VERIFIER) \
 		--preprocessed-data $(DEMO)/heldout --target-layer-ids 1 2 3
 
-# 2. Train the drafter (configs/demo/train.yaml; resumes if interrupted).
-$(DEMO)/checkpoints/run.yaml: $(DEMO)/data/hidden_states/extraction_config.json
+# 2. Train the drafter (configs/demo/train.yaml; resumes if interrupted). The target is
+# written only when training completes: an interrupted run exits 130/143, which stops
+# make, and the next `make demo` resumes it instead of exporting a partial checkpoint.
+$(DEMO)/checkpoints/training_complete: $(DEMO)/data/hidden_states/extraction_config.json
 	$(PY) -m dspark_jax.train
+	touch $@
 
 # 3. Acceptance tables and confidence calibration of the best checkpoint on held-out
 #    conversations (eval/calibration.json: the global temperature the export folds in).
-$(DEMO)/eval/summary.json: $(DEMO)/checkpoints/run.yaml $(DEMO)/heldout/hidden_states/extraction_config.json
+$(DEMO)/eval/summary.json: $(DEMO)/checkpoints/training_complete $(DEMO)/heldout/hidden_states/extraction_config.json
 	$(PY) -m dspark_jax.eval --checkpoint $(DEMO)/checkpoints --step best --verifier $(VERIFIER) \
 		--total-seq-len 1024 --dataset heldout=$(DEMO)/heldout --output-dir $(DEMO)/eval
 

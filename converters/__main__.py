@@ -1,7 +1,8 @@
 """``python -m converters export|import|check`` (see each module for details).
 
 Exit status: 0 on success, 1 when the check fails or the input is unusable (the
-message names the file, field or tensor), 2 on bad arguments.
+message names the file, field or tensor), 2 on bad arguments. Errors are one line;
+``--debug`` or ``DSPARK_DEBUG=1`` shows the traceback (:mod:`dspark_jax.cli`).
 """
 
 from __future__ import annotations
@@ -127,6 +128,12 @@ def _warm_start(args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore INFO lines
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report.format())
         return 0 if report.ok else 1
 
+    from dspark_jax.cli import reraise_if_debug
     from dspark_jax.convert.check import CheckError
     from dspark_jax.data.vocab import VocabError
     from dspark_jax.train.checkpoint import CheckpointError
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     eval_dir=args.eval_dir,
                 )
             except ExportError as e:
+                reraise_if_debug()
                 print(f"export failed: {e}", file=sys.stderr)
                 return 1
             print(f"exported step {step} of {args.checkpoint}\n{report.format()}")
@@ -192,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 overwrite=args.overwrite,
             )
         except ImportFolderError as e:
+            reraise_if_debug()
             print(f"import failed: {e}", file=sys.stderr)
             return 1
         print(
@@ -204,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     except CheckError as e:
+        reraise_if_debug()
         print(
             f"{args.command} refused: the folder fails the {e.report.target} check\n{e}",
             file=sys.stderr,
         )
         return 1
     except (CheckpointError, VocabError, FileNotFoundError) as e:
+        reraise_if_debug()
         print(f"{args.command} failed: {e}", file=sys.stderr)
         return 1
 

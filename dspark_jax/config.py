@@ -259,6 +259,7 @@ class DSparkConfig:
         tl = d.get("transformer_layer_config")
         if not isinstance(tl, dict):
             raise ValueError(f"{source}: transformer_layer_config must be an object, got {tl!r}")
+        check_field_types(d, source)
         decoder = decoder_fields_from_qwen3(tl, source=f"{source}: transformer_layer_config")
         verifier = (d.get("speculators_config") or {}).get("verifier") or {}
         dspark = algo == "dspark"
@@ -298,6 +299,83 @@ class DSparkConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         return cls.from_speculators_dict(d, source=str(path))
+
+
+# JSON types of the config.json fields this class reads: int() and bool() would turn
+# 3.5 into 3 and "false" into True, a drafter other than the one the file describes.
+TOP_LEVEL_TYPES = {
+    "block_size": "int",
+    "draft_vocab_size": "int",
+    "markov_rank": "int",
+    "mask_token_id": "int|null",
+    "target_hidden_size": "int|null",
+    "aux_hidden_state_layer_ids": "list[int]",
+    "sample_from_anchor": "bool",
+    "enable_confidence_head": "bool",
+    "confidence_head_with_markov": "bool",
+    "sliding_window_non_causal": "bool",
+    "markov_head_type": "str",
+}
+LAYER_TYPES_JSON = {
+    "hidden_size": "int",
+    "num_attention_heads": "int",
+    "num_hidden_layers": "int",
+    "vocab_size": "int",
+    "intermediate_size": "int|null",
+    "num_key_value_heads": "int|null",
+    "head_dim": "int|null",
+    "max_position_embeddings": "int|null",
+    "sliding_window": "int|null",
+    "rms_norm_eps": "number",
+    "rope_theta": "number",
+    "attention_bias": "bool",
+    "use_sliding_window": "bool",
+    "layer_types": "list[str]|null",
+}
+
+KIND_WORDS = {
+    "int": "an int",
+    "int|null": "an int or null",
+    "number": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "list[int]": "a list of ints",
+    "list[str]|null": "a list of strings or null",
+}
+
+
+def _json_type_ok(value: Any, kind: str) -> bool:
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if kind.endswith("|null") and value is None:
+        return True
+    kind = kind.removesuffix("|null")
+    if kind == "int":
+        return is_int(value)
+    if kind == "number":
+        return is_int(value) or isinstance(value, float)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "list[int]":
+        return isinstance(value, list) and all(is_int(x) for x in value)
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)  # list[str]
+
+
+def check_field_types(d: dict[str, Any], source: str = "config.json") -> None:
+    """Raise naming the first field of a speculators config dict with the wrong JSON type."""
+    tl = d.get("transformer_layer_config") or {}
+    rope = tl.get("rope_parameters") if isinstance(tl.get("rope_parameters"), dict) else {}
+    fields = [(d, name, name, kind) for name, kind in TOP_LEVEL_TYPES.items()]
+    fields += [(tl, name, f"transformer_layer_config.{name}", kind)
+               for name, kind in LAYER_TYPES_JSON.items()]  # fmt: skip
+    fields.append((rope, "rope_theta", "transformer_layer_config.rope_parameters.rope_theta",
+                   "number"))  # fmt: skip
+    for where, name, label, kind in fields:
+        if name in where and not _json_type_ok(where[name], kind):
+            raise ValueError(f"{source}: {label} must be {KIND_WORDS[kind]}, got {where[name]!r}")
 
 
 def decoder_fields_from_qwen3(tl: dict[str, Any], source: str = "draft config") -> dict[str, Any]:

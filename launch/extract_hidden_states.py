@@ -20,8 +20,8 @@ speculators' launcher. ``--dtype auto`` is the dtype vLLM 0.33.0 would pick on a
 of ``--compute-capability`` (a float32 config: bf16 from 8.0), for both backends;
 the vllm backend passes it to ``vllm serve --dtype``.
 
-Resumable: files already present and valid (header, shape, dtype, token ids) are
-skipped; invalid ones are regenerated; every file appears by an atomic rename,
+Resumable: files already present and valid (read whole: shape, dtype, token ids,
+finite values) are skipped; invalid ones (a NaN, a truncated file) are regenerated; every file appears by an atomic rename,
 so an interrupted run leaves no partial file behind. Samples that fail are
 counted and listed; the exit status is 1 if any failed.
 
@@ -52,7 +52,7 @@ from launch.hs_files import (  # noqa: E402
     HiddenStatesError,
     existing_indices,
     hs_path,
-    quick_check,
+    load_and_check,
     remove_partials,
     resolve_layer_ids,
     save_hidden_states,
@@ -131,7 +131,10 @@ def plan(
     dtype: str | None,
     summary: Summary,
 ) -> list[int]:
-    """Indices still to extract; valid existing files are skipped, invalid ones removed."""
+    """Indices still to extract; valid existing files are skipped, invalid ones removed.
+
+    Each existing file is read whole (a NaN is only seen in the values): a rerun costs a
+    read of the folder, and nothing unchecked is counted as done."""
     removed = remove_partials(out_dir)
     if removed:
         log.info("removed %d partial file(s) left by an interrupted run", removed)
@@ -140,7 +143,7 @@ def plan(
     for i in indices:
         if i in present:
             try:
-                quick_check(
+                load_and_check(
                     hs_path(out_dir, i),
                     rows.ids(i),
                     num_slots=num_slots,
@@ -580,8 +583,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> Summary:
+    # Created by write_or_check_config once the verifier has loaded: a refused verifier
+    # leaves nothing behind.
     out_dir = Path(args.output or Path(args.preprocessed_data) / "hidden_states")
-    out_dir.mkdir(parents=True, exist_ok=True)
     rows = Rows(args.preprocessed_data)
     indices = indices_for_rank(len(rows), args.max_samples, args.world_size, args.rank)
     summary = Summary()
@@ -595,6 +599,12 @@ def run(args: argparse.Namespace) -> Summary:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from dspark_jax.cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     if args.dry_run:

@@ -41,6 +41,23 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return layers
 
 
+def check_loading_info(model: str, info: dict) -> None:
+    """Refuse a verifier folder whose weights do not cover the model: transformers
+    initialises missing tensors at random and only warns, which would write hidden
+    states of a random model."""
+    problems = []
+    for what in ("missing_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in info.get(what) or ())
+        if keys:
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            problems.append(f"{what.replace('_', ' ')} {', '.join(keys[:5])}{more}")
+    if problems:
+        raise ValueError(
+            f"{model}: the verifier's weights do not match its config.json "
+            f"({'; '.join(problems)}); transformers would initialise them at random"
+        )
+
+
 class HFExtractor:
     def __init__(
         self,
@@ -72,7 +89,11 @@ class HFExtractor:
         }
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs).to(device).eval()
+        loaded, info = AutoModelForCausalLM.from_pretrained(
+            model, output_loading_info=True, **kwargs
+        )
+        check_loading_info(model, info)
+        self.model = loaded.to(device).eval()
         self.device = torch.device(device)
         self.layers = decoder_layers(self.model)
         if len(self.layers) != self.num_hidden_layers:

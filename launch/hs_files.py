@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dspark_jax import file_mode
+
 # The folder's names have one owner, shared with the JAX reader (no JAX imported).
 from dspark_jax.data.hs_names import (  # noqa: F401 (re-exported to launch/)
     EXTRACTION_CONFIG,
@@ -51,15 +53,6 @@ _DTYPES = {
     "float16": torch.float16,
     "float32": torch.float32,
     "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
-}
-# safetensors header dtype codes
-_ST_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F8_E4M3": "float8_e4m3fn",
-    "I64": "int64",
-    "I32": "int32",
 }
 
 
@@ -98,9 +91,11 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def commit_file(tmp: Path, final: Path) -> None:
-    """fsync ``tmp`` and rename it to ``final`` (same folder, atomic)."""
+    """fsync ``tmp`` and rename it to ``final`` (same folder, atomic), readable by others
+    per the umask (safetensors writes 0600)."""
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
+    file_mode.share(tmp)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
 
@@ -219,38 +214,6 @@ def load_and_check(
         where=str(path),
     )
     return tensors
-
-
-def quick_check(
-    path: str | Path,
-    expected_tokens: Sequence[int],
-    *,
-    num_slots: int,
-    hidden_size: int,
-    dtype: str | None,
-) -> None:
-    """Check a finished file without reading its hidden states: header, shapes,
-    dtype and token ids. Used to decide whether a resumed run may skip it."""
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            keys = set(fh.keys())
-            if not {HIDDEN_STATES_KEY, TOKEN_IDS_KEY} <= keys:
-                raise HiddenStatesError(f"{path}: missing tensors, found {sorted(keys)}")
-            sl = fh.get_slice(HIDDEN_STATES_KEY)
-            shape, st_dtype = list(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
-            tokens = fh.get_tensor(TOKEN_IDS_KEY)
-    except HiddenStatesError:
-        raise
-    except Exception as e:
-        raise HiddenStatesError(f"{path}: unreadable safetensors file ({e})") from e
-    if tokens.dtype != torch.long or tokens.tolist() != list(expected_tokens):
-        raise HiddenStatesError(f"{path}: token_ids do not match the row's input_ids")
-    want = [len(expected_tokens), num_slots, hidden_size]
-    if shape != want:
-        raise HiddenStatesError(f"{path}: hidden_states shape {shape}, expected {want}")
-    if dtype is not None and SCALES_KEY not in keys and st_dtype != dtype:
-        raise HiddenStatesError(f"{path}: hidden_states dtype {st_dtype}, expected {dtype}")
 
 
 def existing_indices(directory: str | Path) -> list[int]:

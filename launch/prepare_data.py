@@ -280,17 +280,43 @@ class EndpointRenderer:
 # --------------------------------------------------------------------------------------
 
 
+def _load_json(path: str, files):
+    """``load_dataset("json")`` with its failures (a parse error deep in Arrow, an empty
+    file's StopIteration) turned into one line naming ``path``."""
+    from datasets import load_dataset
+
+    for f in [files] if isinstance(files, str) else files:
+        if Path(f).is_file() and not Path(f).read_bytes().strip():
+            raise ValueError(f"--data {f}: the file is empty (expected JSON rows)")
+    from dspark_jax.cli import debug_enabled
+
+    quiet = logging.getLogger("datasets")  # it logs the parse error too: said once, below
+    level = quiet.level
+    if not debug_enabled():
+        quiet.setLevel(logging.CRITICAL)
+    try:
+        return load_dataset("json", data_files=files, split="train")
+    except Exception as e:  # noqa: BLE001 - datasets wraps the parser's error
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        why = " ".join(str(cause).split()) or type(cause).__name__
+        raise ValueError(f"--data {path}: not readable as JSON/JSONL rows ({why})") from e
+    finally:
+        quiet.setLevel(level)
+
+
 def load_raw_rows(path: str):
     """A ``datasets.Dataset`` from a JSON/JSONL file, a folder of them, or ``hf:<id>``."""
     from datasets import load_dataset
 
     if path.endswith((".json", ".jsonl")):
-        ds = load_dataset("json", data_files=path, split="train")
+        ds = _load_json(path, path)
     elif Path(path).is_dir():
         files = sorted(str(p) for p in (*Path(path).rglob("*.json"), *Path(path).rglob("*.jsonl")))
         if not files:
             raise ValueError(f"No .json/.jsonl files found in directory: {path}")
-        ds = load_dataset("json", data_files=files, split="train")
+        ds = _load_json(path, files)
     elif path.startswith("hf:"):
         parts = path.removeprefix("hf:").split(":")
         name, subset, split = (
@@ -481,6 +507,55 @@ def vocab_maps(freq: dict[int, int], draft_vocab_size: int, target_vocab_size: i
     return d2t, t2d
 
 
+def draft_maps(freq: dict[int, int], draft_vocab_size: int, target_vocab_size: int):
+    """:func:`vocab_maps`, refusing a draft vocabulary larger than the verifier's."""
+    check_draft_vocab_size(draft_vocab_size, target_vocab_size)
+    return vocab_maps(freq, draft_vocab_size, target_vocab_size)
+
+
+def check_draft_vocab_size(
+    draft_vocab_size: int, vocab_size: int | None, skip_token_freq: bool = False
+) -> None:
+    """``--draft-vocab-size`` must fit the verifier vocabulary (checked before any write)."""
+    if draft_vocab_size < 1:
+        raise ValueError(f"--draft-vocab-size must be >= 1, got {draft_vocab_size}")
+    if skip_token_freq:
+        raise ValueError("--draft-vocab-size needs the token counts; drop --skip-token-freq")
+    if vocab_size is not None and draft_vocab_size > vocab_size:
+        raise ValueError(
+            f"--draft-vocab-size {draft_vocab_size} exceeds the verifier vocabulary "
+            f"({vocab_size} tokens)"
+        )
+
+
+def map_paths(out: Path, draft_vocab_size: int) -> list[Path]:
+    return [out / f"d2t-{draft_vocab_size}.npy", out / f"t2d-{draft_vocab_size}.npy"]
+
+
+def write_missing_maps(out: Path, draft_vocab_size: int) -> list[Path]:
+    """The maps of a dataset prepared without them (a rerun that adds --draft-vocab-size),
+    from its ``token_counts.npy``: the maps a first run would have written. Returns the
+    files written (maps already there are left as they are)."""
+    import numpy as np
+
+    missing = [p for p in map_paths(out, draft_vocab_size) if not p.exists()]
+    if not missing:
+        return []
+    counts_path = out / "token_counts.npy"
+    if not counts_path.is_file():
+        raise ValueError(
+            f"{counts_path} is missing (prepared with --skip-token-freq?): the maps need the "
+            "token counts; prepare again with --overwrite"
+        )
+    counts = np.load(counts_path)
+    freq = {int(i): int(counts[i]) for i in np.nonzero(counts)[0]}
+    d2t, t2d = draft_maps(freq, draft_vocab_size, counts.size)
+    for path, value in zip(map_paths(out, draft_vocab_size), (d2t, t2d)):
+        if path in missing:
+            np.save(path, value)
+    return missing
+
+
 def default_workers() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(8, cpus or 1))
@@ -512,6 +587,10 @@ def prepare(
         render = EndpointRenderer(render_endpoint, seq_length)
     else:
         render = LocalRenderer(model, seq_length, trust_remote_code)
+    vocab_size = None
+    if draft_vocab_size is not None:  # a bad size is refused before the work, not after
+        vocab_size = _vocab_size(model, render, trust_remote_code)
+        check_draft_vocab_size(draft_vocab_size, vocab_size, skip_token_freq)
 
     parts, stats = [], Counter()
     for path in data:
@@ -539,25 +618,30 @@ def prepare(
         )
     _report(stats, minimum_valid_tokens, seq_length)
 
+    # Counts and maps are computed before the first file is written: all or nothing.
+    freq = counts = maps = None
+    if not skip_token_freq:
+        if vocab_size is None:
+            vocab_size = _vocab_size(model, render, trust_remote_code)
+        freq, counts = token_counts(dataset, vocab_size)
+        if draft_vocab_size:
+            maps = draft_maps(freq, draft_vocab_size, counts.size)
+
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     dataset.set_format(type="torch")
     dataset.save_to_disk(str(out))
-
-    if not skip_token_freq:
+    if counts is not None:
         import numpy as np
         import torch
 
-        vocab_size = _vocab_size(model, render, trust_remote_code)
-        freq, counts = token_counts(dataset, vocab_size)
         freq_path = Path(token_freq_path) if token_freq_path else out / "token_freq.pt"
         freq_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(freq, freq_path)
         np.save(out / "token_counts.npy", counts)
-        if draft_vocab_size:
-            d2t, t2d = vocab_maps(freq, draft_vocab_size, counts.size)
-            np.save(out / f"d2t-{draft_vocab_size}.npy", d2t)
-            np.save(out / f"t2d-{draft_vocab_size}.npy", t2d)
+        if maps is not None:
+            for path, value in zip(map_paths(out, draft_vocab_size), maps):
+                np.save(path, value)
     return dataset, stats
 
 
@@ -674,12 +758,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from dspark_jax.cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     out = Path(args.output)
+    if args.draft_vocab_size is not None:  # refused before anything is written or removed
+        render = None if args.render_endpoint else LocalRenderer(args.model, args.seq_length,
+                                                                 args.trust_remote_code)  # fmt: skip
+        vocab = _vocab_size(args.model, render, args.trust_remote_code)
+        check_draft_vocab_size(args.draft_vocab_size, vocab, args.skip_token_freq)
     if out.exists():
         if list(out.glob("*.arrow")) and not args.overwrite:
-            log.warning("%s already holds a prepared dataset; skipping (use --overwrite)", out)
+            written = (
+                write_missing_maps(out, args.draft_vocab_size) if args.draft_vocab_size else []
+            )
+            if written:
+                log.info(
+                    "%s already holds a prepared dataset; wrote its missing %s",
+                    out,
+                    ", ".join(p.name for p in written),
+                )
+            else:
+                log.warning("%s already holds a prepared dataset; skipping (use --overwrite)", out)
             return 0
         if args.overwrite:
             freq = Path(args.token_freq_path).resolve() if args.token_freq_path else None

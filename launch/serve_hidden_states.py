@@ -175,7 +175,10 @@ class FilePublisher(Publisher):
         """Write the file (runs in a writer thread while the lock is held)."""
         from safetensors.torch import save_file
 
+        from dspark_jax import file_mode
+
         save_file(tensors, str(path))
+        file_mode.share(path)  # save_file creates it 0600; the trainer may be another user
 
     def _write_and_unlock(self, path: Path, tensors: dict[str, torch.Tensor], lock_fd: int) -> None:
         try:

@@ -414,7 +414,14 @@ def tensor_headers(
             if c:
                 c.err(f"{INDEX_FILE} lists {path.name}, which does not exist")
             continue
-        with safe_open(path, "np") as f:
+        try:
+            f = safe_open(path, "np")
+        except Exception as e:  # safetensors' own error type (truncated, bad header)
+            if c is None:
+                raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+            c.err(f"{path}: not a readable safetensors file ({e})")
+            continue
+        with f:
             meta = f.metadata() or {}
             if c and pt_metadata and meta.get("format") != "pt":
                 c.err(
@@ -447,8 +454,9 @@ def _unexpected_reason(key: str, cfg: DSparkConfig) -> str:
 
 def _check_tensors(folder: Path, cfg: DSparkConfig, c: _Checker, config_dtype: str | None) -> None:
     headers = tensor_headers(folder, c)
-    if not headers:
+    if not headers and not c.r.errors:  # an unreadable file is already named
         c.err(f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE} (or any *.safetensors)")
+    if not headers:
         return
     expected = expected_tensors(cfg)
     want_float = FLOAT_DTYPES.get(config_dtype)

@@ -24,8 +24,8 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 import ml_dtypes
@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from dspark_jax import file_mode
 from dspark_jax.config import DSparkConfig
 from dspark_jax.convert.card import CARD_FILE, CardInputs, model_card
 from dspark_jax.convert.check import (
@@ -126,6 +127,53 @@ def fold_temperature(tensors: dict[str, np.ndarray], temperature: float) -> None
     for key in ("confidence_head.proj.weight", "confidence_head.proj.bias"):
         value = np.asarray(tensors[key], np.float64) / float(temperature)
         tensors[key] = np.ascontiguousarray(value.astype(np.float32))
+def _new_partial_dir(out_dir: Path) -> Path:
+    """A fresh sibling folder made by ``mkdir`` (umask mode; ``mkdtemp`` would give 0700)."""
+    while True:
+        tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def not_an_export(out_dir: Path, protect: tuple[Path, ...] = ()) -> str | None:
+    """Why ``--overwrite`` may not remove ``out_dir`` (None: it is an earlier export).
+
+    An export folder holds files only, among them a speculators ``config.json``; it is
+    never a checkpoint directory, nor one of ``protect`` or a folder above them.
+    """
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        return "is not a folder (a file or a link)"
+    here = out_dir.resolve()
+    for path in protect:
+        path = Path(path).resolve()
+        if here == path or here in path.parents:
+            return f"is {path} or a folder above it (the checkpoint being exported)"
+    subdirs = sorted(p.name for p in out_dir.iterdir() if p.is_dir())
+    if subdirs:
+        return f"holds folders ({', '.join(subdirs[:4])}); an export holds files only"
+    try:
+        config = json.loads((out_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict) or "speculators_model_type" not in config:
+        return f"has no {CONFIG_FILE} with speculators_model_type"
+    return None
+
+
+def check_destination(out_dir: Path, overwrite: bool, protect: tuple[Path, ...] = ()) -> None:
+    """Refuse an existing ``out_dir`` unless ``overwrite`` and it is an earlier export."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not overwrite:
+        raise ExportError(f"{out_dir} exists (pass --overwrite to replace an earlier export)")
+    why = not_an_export(out_dir, protect)
+    if why:
+        raise ExportError(
+            f"--overwrite refused: {out_dir} {why}; only an earlier export folder is replaced"
+        )
 
 
 def export_params(
@@ -162,8 +210,7 @@ def export_params(
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"{out_dir} exists (pass overwrite=True / --overwrite)")
+    check_destination(out_dir, overwrite)
     changes = {}
     if verifier_name_or_path is not None:
         changes["verifier_name_or_path"] = str(verifier_name_or_path)
@@ -182,13 +229,17 @@ def export_params(
     config = cfg.to_speculators_dict()
     config["dtype"] = dtype
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _new_partial_dir(out_dir)
+    except OSError as e:  # read-only, or a file on the way: name the destination
+        raise ExportError(f"cannot write {out_dir}: {e.strerror} ({e.filename})") from e
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
         for name, text in extra_files.items():
             (tmp / name).write_text(text)
+        file_mode.share(tmp / SINGLE_FILE)  # save_file creates it 0600
         report = check_folder(tmp, target=target, verifier=_local_verifier(target, verifier_path))
         report.folder = out_dir
         if not report.ok:
@@ -199,6 +250,7 @@ def export_params(
         )
         (tmp / CARD_FILE).write_text(model_card(cfg, card))
         if out_dir.exists():
+            check_destination(out_dir, overwrite)  # still an export, just before removing it
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     finally:
@@ -291,6 +343,7 @@ def export_checkpoint(
     output folder whose acceptance table goes into the model card. Other keyword
     arguments: :func:`export_params`. Returns the check report and the step exported.
     """
+    check_destination(Path(out_dir), kwargs.get("overwrite", False), protect=(Path(ckpt_dir),))
     loaded = checkpoint.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
     maps = checkpoint.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
     card = _card_inputs(ckpt_dir, out_dir, loaded.step)

@@ -76,6 +76,8 @@ def read_folder(folder: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ImportFolderError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ImportFolderError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
     try:
         files, _ = weight_files(folder)
     except ValueError as e:
@@ -88,12 +90,51 @@ def read_folder(folder: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]
             raise ImportFolderError(
                 f"{folder}/{INDEX_FILE} lists {path.name}, which does not exist"
             )
-        with safe_open(path, "np") as f:
-            for key in f.keys():
-                if key in tensors:
-                    raise ImportFolderError(f"{folder}: tensor {key!r} is in more than one file")
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(path, "np") as f:
+                for key in f.keys():
+                    if key in tensors:
+                        raise ImportFolderError(
+                            f"{folder}: tensor {key!r} is in more than one file"
+                        )
+                    tensors[key] = f.get_tensor(key)
+        except ImportFolderError:
+            raise
+        except Exception as e:  # safetensors' own error type (truncated, bad header)
+            raise ImportFolderError(f"{path}: not a readable safetensors file ({e})") from None
     return config, tensors
+
+
+def _is_import_step(path: Path) -> bool:
+    try:
+        return "source_type" in checkpoint.read_meta(path.parent, int(path.name))
+    except (checkpoint.CheckpointError, ValueError, OSError):
+        return False
+
+
+def check_destination(ckpt_dir: Path, overwrite: bool) -> None:
+    """Import only into a new or empty directory or, with ``overwrite``, over an earlier
+    import: Orbax would skip the step beside a run's later steps while the run's vocab
+    maps were overwritten, so a training run's directory is never written into."""
+    if not ckpt_dir.exists():
+        return
+    if not ckpt_dir.is_dir():
+        raise ImportFolderError(f"{ckpt_dir} is a file; expected a new or empty directory")
+    entries = sorted(ckpt_dir.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ImportFolderError(
+            f"{ckpt_dir} is not empty ({names}); import into a new or empty directory "
+            "(--overwrite replaces a step of an earlier import only)"
+        )
+    foreign = [p.name for p in entries if p.name.isdigit() and not _is_import_step(p)]
+    if foreign or (ckpt_dir / "run.yaml").exists():
+        raise ImportFolderError(
+            f"{ckpt_dir} holds a training run (steps {foreign or 'and run.yaml'}), not an "
+            "earlier import; --overwrite replaces imported steps only"
+        )
 
 
 def _vocab_maps(cfg: DSparkConfig, tensors: dict, folder: Path):
@@ -177,6 +218,7 @@ def import_folder(
     non-default options for a DSpark source raise (its heads come from the folder).
     """
     src = Path(src)
+    check_destination(Path(ckpt_dir), overwrite)
     config, tensors = read_folder(src)
     kind = config.get("speculators_model_type")
     if kind not in ("dspark", "dflash"):

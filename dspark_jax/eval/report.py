@@ -376,7 +376,7 @@ def _csv(rows: list[list[Any]]) -> str:
 
 
 def _cell(v) -> Any:
-    return "" if v is None else v
+    return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
 
 
 def acceptance_csv(report: dict[str, Any]) -> str:
@@ -426,21 +426,33 @@ def calibration_csv(report: dict[str, Any]) -> str:
     return _csv(rows)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN/inf as null (strict JSON): an empty split or a one-class AUROC
+    has no value, which the tables show as n/a."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def write_outputs(report: dict[str, Any], out_dir: Path, *, plots: bool = True) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = {
-        "markdown": out_dir / "acceptance.md",
-        "csv": out_dir / "acceptance.csv",
-        "context_csv": out_dir / "acceptance_by_context.csv",
-        "json": out_dir / "summary.json",
+    # Every text is rendered before the first file is written: all or none.
+    texts = {
+        "markdown": ("acceptance.md", markdown(report)),
+        "csv": ("acceptance.csv", acceptance_csv(report)),
+        "context_csv": ("acceptance_by_context.csv", context_csv(report)),
+        "json": ("summary.json", json.dumps(json_safe(report), indent=1, allow_nan=False) + "\n"),
     }
-    files["markdown"].write_text(markdown(report))
-    files["csv"].write_text(acceptance_csv(report))
-    files["context_csv"].write_text(context_csv(report))
     if report.get("calibration"):
-        files["calibration_csv"] = out_dir / "calibration.csv"
-        files["calibration_csv"].write_text(calibration_csv(report))
-    files["json"].write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+        texts["calibration_csv"] = ("calibration.csv", calibration_csv(report))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for what, (name, text) in texts.items():
+        files[what] = out_dir / name
+        files[what].write_text(text)
     if plots:
         files.update(write_plots(report, out_dir))
     return files

@@ -525,11 +525,20 @@ def _save_calibration(args, cal: dict[str, Any], drafter: Drafter, n_draft: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from dspark_jax.cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: Sequence[str]) -> int:
+    from dspark_jax.cli import reraise_if_debug
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-restore INFO lines
     try:
         run(argv)
     except EvalError as e:
+        reraise_if_debug()
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

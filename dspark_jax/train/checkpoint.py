@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -318,6 +319,47 @@ class KeepLatestAndBest:
         return [s in newest or s == self.best_step for s in steps]
 
 
+class _OrbaxErrorFilter(logging.Filter):
+    """Drops Orbax's own error records (a failed save logs its traceback from every
+    thread it passed through): :class:`Checkpointer` reports the failure once, naming
+    the step. ``DSPARK_DEBUG=1`` keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from dspark_jax.cli import debug_enabled
+
+        orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+        return not (orbax and record.levelno >= logging.ERROR and not debug_enabled())
+
+
+_ORBAX_ERRORS = _OrbaxErrorFilter()
+
+
+def _drop_aborted_reads() -> None:
+    """Once a restore failed, the reads it left in flight finish on Orbax's closed event
+    loop, each printing a traceback ("Event loop is closed") that says nothing about the
+    checkpoint: ``sys.unraisablehook`` drops those. Other unraisable errors pass on."""
+    from dspark_jax.cli import debug_enabled
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_dspark", False):
+        return
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        if not closed or debug_enabled():
+            previous(unraisable)
+
+    hook._dspark = True
+    sys.unraisablehook = hook
+
+
+def _reason(error: BaseException) -> str:
+    from dspark_jax.cli import one_line
+
+    return one_line(error)
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -330,6 +372,8 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.with_data = with_data
         self.policy = KeepLatestAndBest(max_to_keep)
+        self.pending: tuple[int, str] | None = None  # (step, reason) of the save in flight
+        logging.getLogger("absl").addFilter(_ORBAX_ERRORS)
         items = ("state", "data", "meta") if with_data else ("state", "meta")
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -363,8 +407,14 @@ class Checkpointer:
         data_iterator: grain.DatasetIterator | None = None,
         *,
         force: bool = False,
+        reason: str = "save",
     ) -> bool:
-        """Start an (async) save of step ``step``; returns whether one was started."""
+        """Start an (async) save of step ``step``; returns whether one was started.
+
+        The save is reported ("checkpoint (reason) at step N") only once it is written,
+        by :meth:`wait` or the next save; a failed one raises :class:`CheckpointError`.
+        """
+        self.wait()
         items: dict[str, Any] = {
             "state": ocp.args.StandardSave(state),
             "meta": ocp.args.JsonSave(meta),
@@ -373,7 +423,15 @@ class Checkpointer:
             if data_iterator is None:
                 raise ValueError("this checkpointer saves the data iterator: pass data_iterator")
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        try:
+            started = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        except Exception as e:
+            raise CheckpointError(
+                f"{self.directory}/{step}: the checkpoint was not written: {_reason(e)}"
+            ) from e
+        if started:
+            self.pending = (step, reason)
+        return started
 
     def restore(
         self,
@@ -392,7 +450,11 @@ class Checkpointer:
         }
         if self.with_data and data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception:
+            _drop_aborted_reads()
+            raise
         return restored["state"], restored["meta"]
 
     def meta(self, step: int) -> dict[str, Any]:
@@ -400,6 +462,21 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"
         ]
+
+    def move_aside(self, step: int) -> Path:
+        """Rename an unreadable step folder out of Orbax's sight (kept for inspection)."""
+        src = self.directory / str(step)
+        dst = src.with_name(f"{step}.unreadable")
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = src.with_name(f"{step}.unreadable-{n}")
+        src.rename(dst)
+        return dst
+
+    def reload(self) -> None:
+        """Re-read the step folders (after :meth:`move_aside`, on every process)."""
+        self.manager.reload()
 
     def delete_all(self) -> None:
         """Remove every step (a run that starts over in the same directory)."""
@@ -412,11 +489,29 @@ class Checkpointer:
         return self.manager.reached_preemption(step)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Finish the save in flight and report it, written or failed (once)."""
+        pending, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            step = "?" if pending is None else pending[0]
+            raise CheckpointError(
+                f"{self.directory}/{step}: the checkpoint was not written: {_reason(e)}"
+            ) from e
+        if pending is not None:
+            logger.info(
+                "checkpoint (%s) at step %d -> %s/%d",
+                pending[1],
+                pending[0],
+                self.directory,
+                pending[0],
+            )
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def abstract_like(state: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -39,6 +40,21 @@ def normalize_counted_metrics(metrics: dict[str, float], world_size: int = 1) ->
             if k not in normalized:
                 metrics[k] /= world_size
     return metrics
+
+
+def has_samples(metrics: Mapping[str, float]) -> bool:
+    """Whether raw counted metrics saw a supervised draft slot (``eal_total``: blocks with
+    one). Without one every ratio is 0/0, which the reference logs as 0.0: a perfect
+    loss that ``--step best`` would then pick."""
+    return metrics.get("eal_total", 1.0) > 0
+
+
+def step_metrics(raw: Mapping[str, float]) -> dict[str, float | None]:
+    """:func:`normalize_counted_metrics`, with null ratios (not 0) when no sample was seen."""
+    out = normalize_counted_metrics(dict(raw))
+    if has_samples(raw):
+        return out
+    return {k: (v if k == "error_records" else None) for k, v in out.items()}
 
 
 def flatten(record: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
@@ -78,6 +94,22 @@ class MetricsLog:
         if "tensorboard" in loggers:
             self._tb = _tensorboard_writer(Path(run_dir))
 
+    def resume_at(self, step: int) -> None:
+        """Drop the records of the work a resume from checkpoint ``step`` repeats, so that
+        no step appears twice: train records of steps >= ``step`` (they are logged again)
+        and validations after it (a validation precedes its epoch-end checkpoint)."""
+        if not self.enabled or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        keep = [line for line in lines if _logged_before(line, step)]
+        if len(keep) == len(lines):
+            return
+        self._file.close()
+        tmp = self.path.with_name(f".{self.path.name}.partial")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a")
+
     def hparams(self, config: dict[str, Any], step: int) -> None:
         if self._tb is not None:
             flat = {
@@ -111,6 +143,22 @@ class MetricsLog:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+
+
+def _logged_before(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return True  # not ours to judge: kept
+    if not isinstance(record, dict):
+        return True
+    if "train" in record:
+        return record.get("global_step", -1) < step
+    return record.get("step", -1) <= step
+
+
+def _num(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def _duration(seconds: float) -> str:
@@ -173,8 +221,8 @@ class Progress:
             f"epoch {epoch}",
             f"step {step_in_epoch}/{steps_in_epoch}",
             f"[{step}/{self.total}]",
-            f"loss {metrics.get('loss', float('nan')):.4f}",
-            f"accept_len {metrics.get('accept_len', float('nan')):.3f}",
+            f"loss {_num(metrics.get('loss')):.4f}",
+            f"accept_len {_num(metrics.get('accept_len')):.3f}",
             f"lr {lr:.2e}",
         ]
         if tokens_per_s is not None:

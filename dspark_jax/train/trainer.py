@@ -19,7 +19,11 @@ The loop, top to bottom (reference: ``speculators/train/trainer.py``):
   (``--checkpoint-freq``, ``--save-best``), keeping the newest ``--keep-checkpoints``
   and the best one; resume from the latest unless ``--no-resume-from-checkpoint``;
 * SIGTERM/SIGINT (or a preemption notice seen by ``jax.distributed``): finish the
-  step, save, exit 0. A second signal kills at once.
+  step, save, exit ``128 + signum`` (143, 130; as shells report a killed command, so
+  ``make`` and job scripts do not go on with an unfinished run). A second signal kills
+  at once.
+* resume: the newest checkpoint that restores; newer unreadable ones (a truncated
+  file) are named, skipped and moved aside as ``N.unreadable``.
 """
 
 from __future__ import annotations
@@ -51,10 +55,16 @@ from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
 from dspark_jax.train import drafter_setup, flags, online_setup
 from dspark_jax.train.checkpoint import FORMAT as CHECKPOINT_FORMAT  # what the converters read
-from dspark_jax.train.checkpoint import Checkpointer
+from dspark_jax.train.checkpoint import Checkpointer, CheckpointError
 from dspark_jax.train.dry_run import dry_run
 from dspark_jax.train.flags import ConfigError, TrainArgs
-from dspark_jax.train.metrics_log import MetricsLog, Progress, normalize_counted_metrics
+from dspark_jax.train.metrics_log import (
+    MetricsLog,
+    Progress,
+    has_samples,
+    normalize_counted_metrics,
+    step_metrics,
+)
 
 log = logging.getLogger("dspark_jax.train")
 
@@ -68,6 +78,7 @@ class Interrupted:
 
     def __init__(self):
         self.signal: str | None = None
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -79,7 +90,7 @@ class Interrupted:
 
     def _handler(self, signum, frame) -> None:
         del frame
-        self.signal = signal.Signals(signum).name
+        self.signal, self.signum = signal.Signals(signum).name, int(signum)
         log.warning(
             "received %s: saving a checkpoint after this step (send again to exit now)", self.signal
         )
@@ -303,13 +314,82 @@ class Trainer:
         if step in self.saved_steps:
             return
         state = {"params": nnx.to_pure_dict(self.state["params"]), "opt": self.state["opt"]}
-        self.ckpt.save(step, state, self._meta(reason, metrics), self.train_it, force=True)
+        meta = self._meta(reason, metrics)
+        # Reported by the checkpointer once written (or failed), not when started.
+        self.ckpt.save(step, state, meta, self.train_it, force=True, reason=reason)
         self.saved_steps.add(step)
-        log.info("checkpoint (%s) at step %d -> %s/%d", reason, step, self.ckpt.directory, step)
 
     def restore(self, abstract_state) -> None:
-        step = self.ckpt.latest_step()
-        meta = self.ckpt.meta(step)
+        """Resume from the newest checkpoint that restores. Newer ones that do not (a
+        truncated file) are moved aside, and named, only once an older one has restored:
+        a failure common to every step (another code version) moves nothing."""
+        skipped: list[tuple[int, str]] = []
+        for step in sorted(self.ckpt.all_steps(), reverse=True):
+            try:
+                meta = self.ckpt.meta(step)
+            except UNREADABLE as e:
+                skipped.append((step, _short(e)))
+                continue
+            self._check_resumable(step, meta)
+            try:
+                restored, meta = self.ckpt.restore(step, abstract_state, self.train_it)
+            except UNREADABLE as e:
+                skipped.append((step, _short(e)))
+                continue
+            break
+        else:
+            reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
+            raise CheckpointError(
+                f"{self.ckpt.directory}: no checkpoint restores ({reasons}); pass "
+                "--no-resume-from-checkpoint to start over, or use another --save-path"
+            )
+        self._move_aside(skipped, step)
+        params = jax.tree.map(lambda x: x, self._abstract_params)
+        nnx.replace_by_pure_dict(params, restored["params"])
+        self.state = {"params": params, "opt": restored["opt"]}
+        self.global_step = int(meta["global_step"])
+        self.best_val_loss = meta.get("best_val_loss") or float("inf")
+        self.ckpt.best_step = meta.get("best_step")
+        self.saved_steps.add(step)
+        self.metrics.resume_at(self.global_step)
+        log.info(
+            "resumed from %s/%d: epoch %d, step %d of the epoch, global step %d",
+            self.ckpt.directory,
+            step,
+            self.train_it.epoch,
+            self.train_it.step,
+            self.global_step,
+        )
+
+    def _move_aside(self, skipped: list[tuple[int, str]], step: int) -> None:
+        """Rename the unreadable steps (process 0, on storage every process sees), so
+        that Orbax neither lists them nor refuses to save those steps again."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.assert_equal(
+                np.int64(step), "the processes restored different checkpoint steps"
+            )
+        for bad, why in skipped:
+            if self.is_main:
+                aside = self.ckpt.move_aside(bad)
+                log.warning(
+                    "checkpoint %s/%d is unreadable (%s): skipped (moved to %s); resuming from "
+                    "step %d",
+                    self.ckpt.directory,
+                    bad,
+                    why,
+                    aside.name,
+                    step,
+                )
+        if skipped and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("dspark: unreadable checkpoints moved aside")
+        if skipped:
+            self.ckpt.reload()
+
+    def _check_resumable(self, step: int, meta: dict[str, Any]) -> None:
         saved_cfg, cfg = meta.get("config") or {}, self.cfg.to_speculators_dict()
         if saved_cfg != cfg:
             diff = sorted(k for k in set(saved_cfg) | set(cfg) if saved_cfg.get(k) != cfg.get(k))
@@ -324,32 +404,16 @@ class Trainer:
                     f"{self.ckpt.directory}/{step} was written with {key}={meta.get(key)}, this run "
                     f"has {value}; exact resume needs the same value (or --no-resume-from-checkpoint)"
                 )
-        restored, meta = self.ckpt.restore(step, abstract_state, self.train_it)
-        params = jax.tree.map(lambda x: x, self._abstract_params)
-        nnx.replace_by_pure_dict(params, restored["params"])
-        self.state = {"params": params, "opt": restored["opt"]}
-        self.global_step = int(meta["global_step"])
-        self.best_val_loss = meta.get("best_val_loss") or float("inf")
-        self.ckpt.best_step = meta.get("best_step")
-        self.saved_steps.add(step)
-        log.info(
-            "resumed from %s/%d: epoch %d, step %d of the epoch, global step %d",
-            self.ckpt.directory,
-            step,
-            self.train_it.epoch,
-            self.train_it.step,
-            self.global_step,
-        )
 
     # ------------------------------------------------------------------ validation
     def validate(self, epoch: int) -> dict[str, float] | None:
         it = self.data.val_iterator(
             epoch=epoch, num_workers=self.args.num_workers, prefetch=self.args.prefetch_factor
         )
-        acc = None
+        acc, skipped = None, 0
         try:
             for i, batch in enumerate(it):
-                batch.pop("error_records")
+                skipped += int(np.sum(batch.pop("error_records")))
                 m = self.eval_step(
                     self.state["params"],
                     self.frozen,
@@ -362,7 +426,14 @@ class Trainer:
             it.close()
         if acc is None:
             return None
-        val = normalize_counted_metrics({k: float(v) for k, v in jax.device_get(acc).items()})
+        host = {k: float(v) for k, v in jax.device_get(acc).items()}
+        if not has_samples(host):  # 0/0 is no loss: never recorded, never the best step
+            self.progress.message(
+                f"validation epoch {epoch}: no supervised token ({skipped} samples skipped); "
+                "no validation loss recorded"
+            )
+            return None
+        val = normalize_counted_metrics(host)
         val = {f"{k}_epoch": v for k, v in val.items()}
         self.metrics.log(
             {"val": val, "epoch": epoch, "global_step": self.global_step}, self.global_step
@@ -516,7 +587,8 @@ class Trainer:
                         f"{self.global_step}: checkpoint saved in {args.save_path}; run the same "
                         "command to resume"
                     )
-                    return 0
+                    # Not done: a shell's status for a killed command (preemption: SIGTERM).
+                    return 128 + (interrupted.signum or signal.SIGTERM)
             if stopped_at_max:
                 self.end_of_epoch(self.train_it.epoch)
         finally:
@@ -531,7 +603,7 @@ class Trainer:
         """One metrics record. ``profile`` averages over the steps since the last record
         (the steps in between are dispatched without waiting); tokens of all processes."""
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        train = normalize_counted_metrics(host)
+        train = step_metrics(host)
         now, w = time.perf_counter(), self._window
         elapsed = max(now - w["t"], 1e-9)
         profile = {
@@ -560,6 +632,17 @@ class Trainer:
             next(iter(lrs.values())),
             profile["tokens_per_s"],
         )
+
+
+# What a checkpoint that does not restore raises (tensorstore and JSON errors are
+# ValueErrors, a missing file an OSError); ConfigError is checked outside these.
+UNREADABLE = (ValueError, OSError, KeyError)
+
+
+def _short(error: BaseException) -> str:
+    from dspark_jax.cli import one_line
+
+    return one_line(error)
 
 
 def run(
@@ -603,7 +686,14 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     setup_logging()
+    from dspark_jax.cli import reraise_if_debug
     from dspark_jax.data.vocab import VocabError
 
     try:
@@ -622,8 +712,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return run(args)
     except ConfigError as e:
+        reraise_if_debug()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (DataError, VocabError) as e:
+    except (DataError, VocabError, CheckpointError) as e:
+        reraise_if_debug()
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -78,3 +78,16 @@ def write_verifier(folder: Path, cfg: DSparkConfig, seed: int = 0) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``root``: equal before and after a
+    refused command means nothing was lost, moved or rewritten."""
+    import hashlib
+
+    root = Path(root)
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import ml_dtypes
 import numpy as np
@@ -15,7 +17,13 @@ from dspark_jax.convert.export import ExportError, export_checkpoint, export_par
 from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.params import to_speculators
 from dspark_jax.train import checkpoint as orbax_io
-from tests.converters.helpers import base_config, make_vocab, random_params, write_verifier
+from tests.converters.helpers import (
+    base_config,
+    make_vocab,
+    random_params,
+    tree_digest,
+    write_verifier,
+)
 
 
 def read(folder):
@@ -170,3 +178,60 @@ def test_cli_export(tmp_path, capsys):
     assert "exported step 2" in capsys.readouterr().out
     assert main(["check", str(tmp_path / "out"), "--target", "speculators"]) == 0
     assert "vLLM 0.33 does not serve it" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_overwrite_replaces_only_an_export(tmp_path, capsys):
+    """Issue 18.2: --overwrite never removes the checkpoint, a folder above it or a folder
+    that is not an export; everything stays byte-identical."""
+    cfg = base_config()
+    run = tmp_path / "runs" / "demo"
+    ckpt = run / "checkpoints"
+    orbax_io.save_params_checkpoint(ckpt, 2, cfg, random_params(cfg))
+    (run / "notes").mkdir()
+    (run / "notes" / "todo.txt").write_text("mine")
+    before = tree_digest(tmp_path)
+    refused = {
+        ckpt: "is {} or a folder above it (the checkpoint being exported)".format(ckpt.resolve()),
+        run: "is {} or a folder above it (the checkpoint being exported)".format(ckpt.resolve()),
+        run / "notes": "has no config.json with speculators_model_type",
+        tmp_path: "is {} or a folder above it (the checkpoint being exported)".format(
+            ckpt.resolve()
+        ),
+    }
+    for out, why in refused.items():
+        assert main(["export", str(ckpt), str(out), "--overwrite"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"export failed: --overwrite refused: {out} {why}; only an earlier export folder "
+            "is replaced"
+        ], err
+    # A checkpoint directory elsewhere (not the one exported) is no export either.
+    other = tmp_path / "other"
+    orbax_io.save_params_checkpoint(other, 1, cfg, random_params(cfg))
+    before_other = tree_digest(other)
+    assert main(["export", str(ckpt), str(other), "--overwrite"]) == 1
+    assert "holds folders (1); an export holds files only" in capsys.readouterr().err
+    assert tree_digest(other) == before_other
+    assert tree_digest(tmp_path / "runs") == {
+        k.removeprefix("runs/"): v for k, v in before.items() if k.startswith("runs/")
+    }
+    # An earlier export is replaced.
+    out = tmp_path / "export"
+    assert main(["export", str(ckpt), str(out), "--target", "speculators"]) == 0
+    assert main(["export", str(ckpt), str(out), "--target", "speculators"]) == 1
+    assert "exists (pass --overwrite to replace an earlier export)" in capsys.readouterr().err
+    assert main(["export", str(ckpt), str(out), "--target", "speculators", "--overwrite"]) == 0
+
+
+def test_export_is_readable_by_others(tmp_path):
+    """Issue 18.11: the folder and its files get the umask's modes (mkdtemp gave 0700,
+    safetensors 0600)."""
+    cfg = base_config()
+    old = os.umask(0o022)
+    try:
+        export_params(cfg, random_params(cfg), tmp_path / "out", verifier_name_or_path="v")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((tmp_path / "out" / name).stat().st_mode) == 0o644, name

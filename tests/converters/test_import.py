@@ -20,6 +20,7 @@ from tests.converters.helpers import (
     flat_params,
     make_vocab,
     random_params,
+    tree_digest,
     write_verifier,
 )
 
@@ -227,5 +228,84 @@ def test_cli_import(reduced, tmp_path, capsys):
     assert loaded.step == 9 and loaded.cfg.markov_rank == 16
     assert not loaded.cfg.enable_confidence_head
     assert main(["import", str(tmp_path / "dflash"), str(tmp_path / "ck"), "--step", "9"]) == 1
-    assert "step 9 already exists" in capsys.readouterr().err
+    assert "ck is not empty (9, d2t-40.npy, t2d-40.npy)" in capsys.readouterr().err
+    # --overwrite replaces a step of an earlier import.
+    argv = ["import", str(tmp_path / "dflash"), str(tmp_path / "ck"), "--step", "9"]
+    assert main([*argv, "--markov-rank", "8", "--overwrite"]) == 0
+    assert orbax_io.load_params(tmp_path / "ck").cfg.markov_rank == 8
     assert main(["import", str(root / "src"), str(tmp_path / "ck5")]) == 0
+
+
+def fake_run_dir(path, cfg):
+    """What a training --save-path holds: a step (no source_type), maps, run.yaml."""
+    orbax_io.save_params_checkpoint(path, 5, cfg, random_params(cfg, seed=1), meta={"epoch": 0})
+    orbax_io.save_checkpoint_vocab_maps(path, cfg, *make_vocab(cfg, seed=1))
+    (path / "run.yaml").write_text("train: {}\n")
+    return path
+
+
+def test_import_never_writes_into_a_training_run(reduced, tmp_path, capsys):
+    """Issue 18.1: the run's step and vocab maps stay byte-identical; --overwrite too."""
+    root, cfg, *_ = reduced
+    run = fake_run_dir(tmp_path / "run", cfg)
+    before = tree_digest(run)
+    assert main(["import", str(root / "src"), str(run)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"import failed: {run} is not empty (5, d2t-40.npy, run.yaml, t2d-40.npy); import "
+        "into a new or empty directory (--overwrite replaces a step of an earlier import only)"
+    ]
+    assert main(["import", str(root / "src"), str(run), "--step", "5", "--overwrite"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"import failed: {run} holds a training run (steps ['5']), not an earlier import; "
+        "--overwrite replaces imported steps only"
+    ]
+    assert tree_digest(run) == before
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(mask_token_id=3.5), "mask_token_id must be an int or null, got 3.5"),
+        (lambda d: d.update(markov_rank="256"), "markov_rank must be an int, got '256'"),
+        (
+            lambda d: d.update(sample_from_anchor="false"),
+            "sample_from_anchor must be true or false, got 'false'",
+        ),
+        (
+            lambda d: d["transformer_layer_config"].update(hidden_size=32.0),
+            "transformer_layer_config.hidden_size must be an int, got 32.0",
+        ),
+        (
+            lambda d: d.update(aux_hidden_state_layer_ids=[1, "2"]),
+            "aux_hidden_state_layer_ids must be a list of ints, got [1, '2']",
+        ),
+    ],
+)
+def test_config_types_are_checked_on_import(reduced, tmp_path, capsys, edit, message):
+    """Issue 18.6: int() would read 3.5 as 3 and "false" as True; nothing is written."""
+    root, *_ = reduced
+    shutil.copytree(root / "src", tmp_path / "src")
+    rewrite(tmp_path / "src", config_fn=edit)
+    assert main(["import", str(tmp_path / "src"), str(tmp_path / "ck")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"src/config.json: {message}"), err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_truncated_safetensors_is_named(reduced, tmp_path, capsys):
+    """Issue 18.10: import and check name the unreadable file, on one line."""
+    root, *_ = reduced
+    shutil.copytree(root / "src", tmp_path / "src")
+    weights = tmp_path / "src" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert main(["import", str(tmp_path / "src"), str(tmp_path / "ck")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"import failed: {weights}: not a readable safetensors file (Error while deserializing "
+        "header: incomplete metadata, file not fully covered)"
+    ]
+    assert main(["check", str(tmp_path / "src")]) == 1
+    assert f"{weights}: not a readable safetensors file" in capsys.readouterr().out
+    assert not (tmp_path / "ck").exists()

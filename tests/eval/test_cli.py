@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
+import math
+import shutil
 
 import numpy as np
 import pytest
 
 from dspark_jax.convert.export import export_checkpoint
 from dspark_jax.eval import calibration
+from dspark_jax.eval import report as eval_report
 from dspark_jax.eval import runner as dspark_eval
 from dspark_jax.train import checkpoint as orbax_io
 from tests.eval.conftest import train_tiny
@@ -170,3 +174,58 @@ def test_a_trained_drafter_prints_its_table_and_plots(
 
     img = matplotlib.image.imread(tmp_path / "out" / "acceptance_by_position.png")
     assert img.shape[0] > 300 and img.shape[1] > 600 and img.std() > 0.05
+
+
+def plant_nan(path):
+    """A NaN as the first hidden-state value of a bf16 safetensors file, in place."""
+    raw = bytearray(path.read_bytes())
+    header_len = int.from_bytes(raw[:8], "little")
+    start = json.loads(raw[8 : 8 + header_len])["hidden_states"]["data_offsets"][0]
+    raw[8 + header_len + start : 8 + header_len + start + 2] = b"\xc0\x7f"  # bf16 NaN
+    path.write_bytes(bytes(raw))
+
+
+def test_a_nan_sample_is_one_line_naming_the_file(eval_setup, tmp_path, capsys):
+    """Issue 18.10: --on-missing raise on a NaN sample: the reader's message, no traceback,
+    no output written."""
+    data = tmp_path / "heldout"
+    shutil.copytree(eval_setup.heldout.data_path, data)
+    for path in (data / "hidden_states").glob("hs_*.safetensors"):
+        plant_nan(path)
+    argv = ["--checkpoint", str(eval_setup.ckpt), "--verifier", str(eval_setup.verifier),
+            "--dataset", f"heldout={data}", "--output-dir", str(tmp_path / "out"), *COMMON]  # fmt: skip
+    assert dspark_eval.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {data}/hidden_states/hs_") and "non-finite" in last, last
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_folder_is_named(eval_setup, tmp_path, capsys):
+    """Issue 18.10: eval of an exported folder whose model.safetensors is cut short."""
+    folder = tmp_path / "drafter"
+    export_checkpoint(eval_setup.ckpt, folder, target="speculators", verifier_name_or_path="v")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    assert dspark_eval.main(_argv(eval_setup, folder, tmp_path / "out")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --checkpoint {weights}: not a readable safetensors file")
+
+
+def test_values_without_data_are_null_in_summary_json(random_run, tmp_path):
+    """Issue 18.10: a NaN (an empty split, a one-class AUROC) is n/a in the tables and null
+    in summary.json, which is written with the rest instead of crashing after them."""
+    report = copy.deepcopy(random_run[0])
+    report["datasets"]["train"]["acceptance"]["analytic/free_running"]["acceptance_length"] = (
+        math.nan
+    )
+    report["calibration"]["all"]["sampled"]["uncalibrated"]["summary"]["auroc"] = math.nan
+    files = eval_report.write_outputs(report, tmp_path, plots=False)
+    summary = json.loads(files["json"].read_text())
+    assert (
+        summary["datasets"]["train"]["acceptance"]["analytic/free_running"]["acceptance_length"]
+        is None
+    )
+    assert summary["calibration"]["all"]["sampled"]["uncalibrated"]["summary"]["auroc"] is None
+    assert "| train |" in files["markdown"].read_text() and "n/a" in files["markdown"].read_text()

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import textwrap
 
 import torch
 
 from launch.demo_corpus import build_conversations, extract_functions
 
-from .conftest import DEMO
+from .conftest import DEMO, REPO
 
 
 def test_demo_verifier_files(verifier_path, demo_tokenizer):
@@ -38,8 +41,9 @@ def test_demo_verifier_predictions_are_structured(extractor, demo_tokenizer):
     for conv in convs:
         text = demo_tokenizer.apply_chat_template(conv, tokenize=False)
         ids = demo_tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompt = demo_tokenizer.apply_chat_template(conv[:-1], tokenize=False,
-                                                    add_generation_prompt=True)
+        prompt = demo_tokenizer.apply_chat_template(
+            conv[:-1], tokenize=False, add_generation_prompt=True
+        )
         start = len(demo_tokenizer(prompt, add_special_tokens=False)["input_ids"])
         with torch.inference_mode():
             logits = extractor.model(input_ids=torch.tensor([ids])).logits[0].float()
@@ -56,7 +60,8 @@ def test_demo_verifier_predictions_are_structured(extractor, demo_tokenizer):
 
 def test_corpus_builder(tmp_path):
     src = tmp_path / "mod.py"
-    src.write_text(textwrap.dedent('''
+    src.write_text(
+        textwrap.dedent('''
         class A:
             def f(self, x):
                 """Return x plus one.
@@ -70,7 +75,8 @@ def test_corpus_builder(tmp_path):
             """Add."""
             c = a + b
             return c
-        '''))
+        ''')
+    )
     fns = extract_functions(src)
     assert [f["qual"] for f in fns] == ["A.f", "g"]
     assert fns[0]["sig"] == "(self, x)" and fns[0]["summary"] == "Return x plus one."
@@ -80,3 +86,58 @@ def test_corpus_builder(tmp_path):
     for c in a:
         roles = [t["role"] for t in c["conversations"]]
         assert roles[-1] == "assistant" and "user" in roles
+
+
+# Stands in for the demo's python: records each module it is asked to run and creates
+# the file that step's Makefile target names; training writes run.yaml first, as the
+# trainer does, and exits with $FAKE_TRAIN_RC.
+FAKE_PYTHON = """#!{python}
+import os, pathlib, sys
+args = sys.argv[1:]
+module = args[1]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(module + "\\n")
+def opt(name):
+    return pathlib.Path(args[args.index(name) + 1])
+def touch(path, text="{{}}"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+if module == "launch.extract_hidden_states":
+    touch(opt("--preprocessed-data") / "hidden_states" / "extraction_config.json")
+elif module == "dspark_jax.train":
+    touch(pathlib.Path(os.environ["FAKE_SAVE_PATH"]) / "run.yaml")  # written at start
+    sys.exit(int(os.environ["FAKE_TRAIN_RC"]))
+elif module == "converters":
+    touch(pathlib.Path(args[4]) / "config.json")
+elif module == "dspark_jax.eval":
+    touch(opt("--output-dir") / "summary.json")
+    touch(opt("--output-dir") / "acceptance.md", "the table")
+"""
+
+
+def test_make_demo_never_exports_an_unfinished_training(tmp_path):
+    """Issue 18.5: the trainer exits 143 on SIGTERM; make stops there, and the next
+    `make demo` trains again (resumes) before exporting and evaluating."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    demo, log = tmp_path / "demo", tmp_path / "calls.txt"
+
+    def make(train_rc: int) -> subprocess.CompletedProcess:
+        env = dict(os.environ, FAKE_LOG=str(log), FAKE_TRAIN_RC=str(train_rc),
+                   FAKE_SAVE_PATH=str(demo / "checkpoints"))  # fmt: skip
+        return subprocess.run(["make", "-C", str(REPO), "demo", f"PY={fake}", f"DEMO={demo}"],
+                              env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    first = make(143)
+    assert first.returncode != 0
+    calls = log.read_text().split()
+    assert calls[-1] == "dspark_jax.train" and "converters" not in calls
+    assert not (demo / "checkpoints" / "training_complete").exists()
+    second = make(0)
+    assert second.returncode == 0, second.stderr
+    calls = log.read_text().split()
+    assert calls.count("dspark_jax.train") == 2 and calls[-1] == "dspark_jax.eval"
+    assert calls[calls.index("converters") - 1] == "dspark_jax.train"
+    assert (demo / "checkpoints" / "training_complete").exists()
+    assert "the table" in second.stdout

@@ -29,9 +29,24 @@ def bigger_prepared(tmp_path_factory, verifier_path):
 
 
 def _argv(verifier_path, data, out):
-    return ["--backend", "hf", "--model", verifier_path, "--preprocessed-data", str(data),
-            "--output", str(out), "--target-layer-ids", *map(str, DEMO_TARGET_LAYERS),
-            "--batch-size", "1", "--device", "cpu", "--threads", "1"]
+    return [
+        "--backend",
+        "hf",
+        "--model",
+        verifier_path,
+        "--preprocessed-data",
+        str(data),
+        "--output",
+        str(out),
+        "--target-layer-ids",
+        *map(str, DEMO_TARGET_LAYERS),
+        "--batch-size",
+        "1",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+    ]
 
 
 # The child is the real CLI, slowed down between writing a file and renaming it into
@@ -52,8 +67,13 @@ sys.exit(main(sys.argv[1:]))
 def _start(argv, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     log = open(tmp_path / "child.log", "wb")  # noqa: SIM115
-    return subprocess.Popen([sys.executable, "-c", CHILD, *argv],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, *argv],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_for_files(proc, out, n, timeout=120.0):
@@ -136,10 +156,23 @@ def test_ctrl_c_leaves_no_partial_file(tmp_path, verifier_path, bigger_prepared,
     assert len(_check_all_final_files(out, rows, len(DEMO_TARGET_LAYERS) + 1)) == len(rows)
 
 
-def test_other_layer_ids_refused_in_same_folder(tmp_path, verifier_path, small_prepared):
+def test_other_layer_ids_refused_in_same_folder(tmp_path, verifier_path, small_prepared, capsys):
     out = tmp_path / "hs"
-    base = ["--backend", "hf", "--model", verifier_path, "--preprocessed-data",
-            str(small_prepared), "--output", str(out), "--max-samples", "1", "--device", "cpu"]
+    base = [
+        "--backend",
+        "hf",
+        "--model",
+        verifier_path,
+        "--preprocessed-data",
+        str(small_prepared),
+        "--output",
+        str(out),
+        "--max-samples",
+        "1",
+        "--device",
+        "cpu",
+    ]
     assert main([*base, "--target-layer-ids", "1", "2", "3"]) == 0
-    with pytest.raises(ValueError, match="other settings"):
-        main([*base, "--target-layer-ids", "1", "2"])
+    assert main([*base, "--target-layer-ids", "1", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "other settings" in err[-1]

@@ -175,6 +175,12 @@ def child_env(cache: str) -> dict[str, str]:
 
 PYTHON = sys.executable
 
+# batch_loss's counts for rows without one supervised token (every sample skipped): its
+# clamped totals make the reference's loss 0/1 = 0 and accept_len 1 -- no value at all.
+NO_SAMPLES = {"loss_sum": 0.0, "loss_total": 1.0, "accept_len_sum": 0.0, "accept_len_total": 1.0,
+              "eal_sum": 0.0, "eal_total": 0.0, "error_records_sum": 4.0,
+              "error_records_total": 1.0}  # fmt: skip
+
 
 def make_learnable_data(root, verifier: Path, *, n_docs=80, n_aux=2, hidden=8, alphabet=32, seed=0):
     """Prepared data + hidden states a drafter can learn: each document follows

@@ -86,3 +86,60 @@ def test_restore_without_checkpoint_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint to restore"):
         ckpt.restore(None, {"x": jax.ShapeDtypeStruct((), jnp.float32)})
     ckpt.close()
+
+
+# A full disk, for real and without root: a file-size limit makes Orbax's own writes
+# fail (EFBIG) in a child process that ignores SIGXFSZ.
+FULL_DISK_CHILD = r"""
+import resource, signal, sys
+import numpy as np
+from dspark_jax.cli import guarded
+from dspark_jax.train.checkpoint import Checkpointer
+from dspark_jax.train.trainer import setup_logging
+
+def main(argv):
+    setup_logging()
+    ckpt = Checkpointer(argv[0], with_data=False)
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    ckpt.save(1, {"w": w}, {"step": 1}, force=True, reason="epoch_end")
+    ckpt.wait()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, resource.RLIM_INFINITY))
+    try:
+        ckpt.save(2, {"w": w}, {"step": 2}, force=True, reason="epoch_end")
+        print("started step 2", file=sys.stderr)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    return 0
+
+sys.exit(guarded(main))
+"""
+
+
+def test_a_failed_save_is_reported_once_and_never_as_saved(tmp_path):
+    """Issue 18.9: no "checkpoint ... at step 2" before it is written; one error line
+    naming the step; step 1 byte-identical."""
+    import subprocess
+
+    from tests.converters.helpers import tree_digest
+    from tests.train.conftest import PYTHON, child_env
+
+    env = child_env("")
+    env.pop("DSPARK_DEBUG", None)
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run([PYTHON, "-c", FULL_DISK_CHILD, str(ckpt)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(lines) == 3, lines
+    assert lines[0].endswith(f"INFO checkpoint (epoch_end) at step 1 -> {ckpt}/1")
+    assert lines[1] == "started step 2"
+    assert lines[2].startswith(f"error: {ckpt}/2: the checkpoint was not written: ")
+    assert "File too large" in lines[2]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["1"]
+    digest = tree_digest(ckpt / "1")
+    ckpt1 = Checkpointer(ckpt, with_data=False)
+    assert ckpt1.all_steps() == [1] and ckpt1.meta(1) == {"step": 1}
+    ckpt1.close()
+    assert tree_digest(ckpt / "1") == digest

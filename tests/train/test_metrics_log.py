@@ -13,7 +13,15 @@ import types
 
 import pytest
 
-from dspark_jax.train.metrics_log import MetricsLog, Progress, flatten, normalize_counted_metrics
+from dspark_jax.train.metrics_log import (
+    MetricsLog,
+    Progress,
+    flatten,
+    has_samples,
+    normalize_counted_metrics,
+    step_metrics,
+)
+from tests.train.conftest import NO_SAMPLES
 
 
 def test_normalize_counted_metrics():
@@ -74,3 +82,35 @@ def test_progress_line():
     line = out.getvalue().strip()
     assert line.startswith("epoch 0 | step 10/50 | [10/100] | loss 1.2500 | accept_len 2.500")
     assert "lr 1.00e-03" in line and "1,234 tok/s" in line and "ETA" in line
+
+
+def test_a_step_without_samples_logs_no_loss(tmp_path):
+    """Issue 18.4: null (not 0) in the record, n/a on the console; counts stay."""
+    assert normalize_counted_metrics(NO_SAMPLES)["loss"] == 0.0  # the reference's value
+    assert not has_samples(NO_SAMPLES) and has_samples({**NO_SAMPLES, "eal_total": 2.0})
+    train = step_metrics(NO_SAMPLES)
+    assert train == {"loss": None, "accept_len": None, "eal": None, "error_records": 4.0}
+    log = MetricsLog(tmp_path, [])
+    log.log({"train": train, "global_step": 3}, 3)
+    log.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["train"]["loss"] is None
+    out = io.StringIO()
+    Progress(10, stream=out, interval=0.0).update(4, 0, 4, 5, train, 1e-3, None)
+    assert "loss nan | accept_len nan" in out.getvalue()
+
+
+def test_resume_drops_the_records_a_resume_repeats(tmp_path):
+    """Issue 18.11: resuming from checkpoint 10 (saved after epoch 1's validation) keeps
+    train steps 0-9 and the validations up to step 10; later lines go (logged again)."""
+    log = MetricsLog(tmp_path, [])
+    for step in range(15):
+        log.log({"train": {"loss": 1.0}, "global_step": step}, step)
+        if step + 1 in (5, 10, 15):
+            log.log({"val": {"loss_epoch": 1.0}, "epoch": step // 5}, step + 1)
+    log.resume_at(10)
+    log.log({"train": {"loss": 2.0}, "global_step": 10}, 10)
+    log.close()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in records if "train" in r] == list(range(11))
+    assert [r["step"] for r in records if "val" in r] == [5, 10]
+    assert records[-1]["train"]["loss"] == 2.0

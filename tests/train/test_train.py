@@ -7,7 +7,10 @@ others reuse its compilations through the persistent cache.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -19,9 +22,11 @@ import pytest
 
 from dspark_jax.train import flags as cli
 from dspark_jax.train import trainer as train
+from tests.converters.helpers import tree_digest
 from tests.numerics import U
 from tests.train.conftest import (
     LOSS_RTOL,
+    NO_SAMPLES,
     PYTHON,
     ROOT,
     child_env,
@@ -171,7 +176,8 @@ def test_sigterm_then_restart_continues_exactly(baseline, learn, tmp_path, compi
         text=True,
         timeout=300,
     )
-    assert first.returncode == 0, first.stderr[-3000:]
+    # Not done: 128 + SIGTERM, as a shell reports it, so `make` stops (issue 18.5).
+    assert first.returncode == 143, first.stderr[-3000:]
     assert "interrupted (SIGTERM) at step 7" in first.stderr
     meta = json.loads((tmp_path / "ckpt" / "7" / "meta" / "metadata").read_text())
     assert (meta["reason"], meta["epoch"], meta["step_in_epoch"]) == ("interrupted", 1, 2)
@@ -244,3 +250,82 @@ def test_from_pretrained_sources(baseline, learn, tmp_path):
     assert train.run(cli.resolve(argv), devices=jax.devices()[:1]) == 0
     first = losses(read_jsonl(tmp_path / "run" / "logs" / "run" / "metrics.jsonl"))[0]
     assert first < np.mean(losses(records)[:3]) - 0.15
+
+
+@contextlib.contextmanager
+def trainer_log():
+    """The trainer's log lines (its logger may not propagate: setup_logging ran)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("dspark_jax")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_resume_skips_a_truncated_checkpoint_and_logs_each_step_once(baseline, learn, tmp_path):
+    """Issue 18.8 and 18.11: the newest step's arrays are truncated; the run names it,
+    resumes from step 10 (moving 15 aside, bytes kept), retrains 10-14 exactly, and
+    metrics.jsonl holds every step once."""
+    verifier, data = learn
+    out, records, _ = baseline
+    shutil.copytree(out / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(out / "logs", tmp_path / "logs")
+    for f in (tmp_path / "ckpt" / "15" / "state").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    truncated, older = tree_digest(tmp_path / "ckpt" / "15"), tree_digest(tmp_path / "ckpt" / "10")
+    args = cli.resolve(tiny_argv(verifier, data, tmp_path, **RUN))
+    with trainer_log() as log:
+        assert train.run(args, devices=jax.devices()[:1]) == 0
+    lines = log.getvalue().splitlines()
+    skipped = [line for line in lines if "is unreadable" in line]
+    assert len(skipped) == 1, lines
+    assert skipped[0].startswith(f"checkpoint {tmp_path / 'ckpt'}/15 is unreadable (")
+    assert skipped[0].endswith("): skipped (moved to 15.unreadable); resuming from step 10")
+    assert any(line.startswith(f"resumed from {tmp_path / 'ckpt'}/10:") for line in lines)
+    assert tree_digest(tmp_path / "ckpt" / "15.unreadable") == truncated
+    assert tree_digest(tmp_path / "ckpt" / "10") == older
+    resumed = read_jsonl(tmp_path / "logs" / "run" / "metrics.jsonl")
+    assert [r["global_step"] for r in resumed if "train" in r] == list(range(15))
+    assert [r["step"] for r in resumed if "val" in r] == [5, 10, 15]
+    assert losses(resumed) == losses(records) and val_losses(resumed) == val_losses(records)
+
+
+def test_a_validation_without_samples_is_no_loss(tmp_path):
+    """Issue 18.4: every validation sample skipped: no val record, and the epoch-end
+    checkpoint carries no metrics (so `--step best` never picks it). The loop's own
+    pieces around validate() are stand-ins: no compilation needed."""
+    from types import SimpleNamespace
+
+    from dspark_jax.train.metrics_log import MetricsLog, Progress
+
+    class Batches(list):
+        def close(self):
+            pass
+
+    t = train.Trainer.__new__(train.Trainer)
+    t.args = SimpleNamespace(num_workers=0, prefetch_factor=2, save_best=False, checkpoint_freq=1)
+    t.data = SimpleNamespace(val_iterator=lambda **_: Batches([{"error_records": np.ones(4)}]))
+    raw = {k: v for k, v in NO_SAMPLES.items() if not k.startswith("error_records")}
+    t.eval_step = lambda *_: raw
+    t._global = lambda batch: batch
+    t.state, t.frozen, t.global_step = {"params": None}, None, 5
+    t.best_val_loss, t.ckpt = math.inf, SimpleNamespace(best_step=None)
+    t.metrics, out = MetricsLog(tmp_path, []), io.StringIO()
+    t.progress = Progress(1, stream=out)
+    saved = []
+    t.save = lambda reason, metrics=None: saved.append((reason, metrics))
+    t.end_of_epoch(0)
+    t.metrics.close()
+    assert saved == [("epoch_end", None)]
+    assert (t.best_val_loss, t.ckpt.best_step) == (math.inf, None)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert out.getvalue() == (
+        "validation epoch 0: no supervised token (4 samples skipped); no validation loss recorded\n"
+    )
