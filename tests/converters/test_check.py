@@ -73,6 +73,18 @@ def _tl(fn):
     return lambda d: fn(d["transformer_layer_config"])
 
 
+def _rope(**kv):
+    return _tl(lambda tl: tl["rope_parameters"].update(kv))
+
+
+LONGROPE = dict(
+    rope_type="longrope",
+    short_factor=[1.0, 1.1, 1.2, 1.3],
+    long_factor=[2.0, 3.0, 4.0, 5.0],
+    original_max_position_embeddings=16,
+)
+
+
 def _t2d_shift(t):
     t["t2d"] = np.roll(t["t2d"], 1)
 
@@ -174,6 +186,43 @@ MUTATIONS = {
         None,
         r"transformer_layer_config\.rope_parameters\.rope_theta is missing",
     ),
+    "rope-legacy-type": (
+        "full",
+        _rope(type="default"),
+        None,
+        r"rope_parameters has the legacy 'type' key",
+    ),
+    "rope-untrained-type": (
+        "full",
+        _rope(rope_type="ntk", factor=2.0),
+        None,
+        r"rope_parameters\.rope_type 'ntk' is not one trained here",
+    ),
+    "yarn-without-factor": (
+        "full",
+        _rope(rope_type="yarn", original_max_position_embeddings=16),
+        None,
+        r"rope_type 'yarn' needs \['factor'\] \(vLLM's get_rope indexes them\)",
+    ),
+    "longrope-mscale-differs": (
+        "full",
+        _rope(**LONGROPE, short_mscale=1.0),
+        None,
+        r"vLLM scales cos/sin by short_mscale=1\.0, the drafter was trained with attention "
+        r"scaling [0-9.]+",
+    ),
+    "mrope-section": (
+        "full",
+        _rope(mrope_section=[1, 1, 0]),
+        None,
+        r"mrope_section \[1, 1, 0\]: vLLM's MRotaryEmbedding needs 2 \* sum = the rotary dims \(8\)",
+    ),
+    "proportional-factor": (
+        "full",
+        _rope(rope_type="proportional", factor=2.0),
+        None,
+        r"vLLM's Gemma4RotaryEmbedding ignores factor",
+    ),
     "gated-in-config": (
         "full",
         _set(markov_head_type="gated"),
@@ -236,6 +285,20 @@ def test_good_folders_pass(folders, base, target):
     assert report.ok, report.format()
     assert report.warnings == []
     assert report.config is not None
+
+
+def test_rope_types_that_serve_differently_warn(folders, tmp_path):
+    """Trained as transformers computes them, served by vLLM 0.33 otherwise: a warning."""
+    for name, rope, pattern in (
+        ("dynamic", {"rope_type": "dynamic", "factor": 2.0}, r"vLLM 0\.33 serves dynamic NTK"),
+        ("longrope", LONGROPE, r"vLLM uses long_factor at every position"),
+    ):
+        folder = tmp_path / name
+        shutil.copytree(folders / "full", folder)
+        edit_config(folder, _rope(**rope))
+        report = check_folder(folder)
+        assert report.ok, report.format()
+        assert any(re.search(pattern, w) for w in report.warnings), report.format()
 
 
 def test_metadata_format_and_stray_weight_file(folders, tmp_path):
