@@ -100,7 +100,9 @@ class RopeScaling:
             elif key in _ROPE_INT_KEYS:
                 ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
             elif key == "mrope_section":
-                ok = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+                ok = isinstance(value, tuple) and all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+                )
             elif key in _ROPE_LIST_KEYS:
                 ok = isinstance(value, tuple) and all(_is_num(x) and x > 0 for x in value)
             else:
