@@ -95,6 +95,18 @@ def load_drafter(
     return Drafter(loaded.cfg, loaded.params, loaded.step, str(path), loaded.vocab_maps, temps)
 
 
+def with_verifier_norm(cfg: DSparkConfig, verifier: str | Path, choice: str) -> DSparkConfig:
+    """``cfg`` with the targets' verifier norm convention: ``choice`` (plain/gemma), or for
+    ``auto`` speculators' choice from the verifier's model_type, else the drafter's record."""
+    style = choice
+    if style == "auto":
+        model_type = verifier_model_type(verifier)
+        style = verifier_norm_style(model_type) if model_type else cfg.verifier_norm_style
+    if style != cfg.verifier_norm_style:
+        log.info("verifier norm: %s (the drafter records %s)", style, cfg.verifier_norm_style)
+    return cfg.replace(verifier_norm_style=style)
+
+
 def load_frozen(cfg: DSparkConfig, verifier: str | Path, t2d: np.ndarray | None) -> FrozenWeights:
     vt = load_verifier_tensors(verifier, t2d)
     try:
@@ -410,14 +422,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not 1 <= n_draft <= cfg.speculative_tokens:
         raise EvalError(f"--num-draft-tokens must be in [1, {cfg.speculative_tokens}]")
     verifier = _resolve_verifier(args, cfg)
-    style = args.verifier_norm_style
-    if style == "auto":
-        model_type = verifier_model_type(verifier)
-        style = verifier_norm_style(model_type) if model_type else cfg.verifier_norm_style
-    if style != cfg.verifier_norm_style:
-        log.info("verifier norm: %s (the drafter records %s)", style, cfg.verifier_norm_style)
-        cfg = cfg.replace(verifier_norm_style=style)
-        drafter = dataclasses.replace(drafter, cfg=cfg)
+    cfg = with_verifier_norm(cfg, verifier, args.verifier_norm_style)
+    drafter = dataclasses.replace(drafter, cfg=cfg)
     frozen = load_frozen(
         cfg, verifier, None if drafter.vocab_maps is None else drafter.vocab_maps[1]
     )

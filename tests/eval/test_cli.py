@@ -121,3 +121,17 @@ def test_a_trained_drafter_prints_its_table_and_plots(random_run, eval_setup, tm
 
     img = matplotlib.image.imread(tmp_path / "out" / "acceptance_by_position.png")
     assert img.shape[0] > 300 and img.shape[1] > 600 and img.std() > 0.05
+
+
+def test_verifier_norm_follows_the_verifier_unless_told(tmp_path):
+    from tests.tiny_configs import base_config
+
+    with_verifier_norm = dspark_eval.with_verifier_norm
+    cfg = base_config()
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"model_type": "gemma3_text"}})
+    )
+    assert with_verifier_norm(cfg, tmp_path, "auto").verifier_norm_style == "gemma"
+    assert with_verifier_norm(cfg, tmp_path, "plain").verifier_norm_style == "plain"
+    recorded = cfg.replace(verifier_norm_style="gemma")
+    assert with_verifier_norm(recorded, tmp_path / "none", "auto") == recorded  # no config.json
