@@ -10,12 +10,178 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 SPECULATORS_VERSION = "0.9.0"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The rope types of transformers' ROPE_INIT_FUNCTIONS (plus "default") that a Qwen3 draft
+# layer carries (its Qwen3RotaryEmbedding) and vLLM 0.33's get_rope serves.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+# Keys each type reads beyond rope_type / rope_theta: (required, optional). transformers'
+# RotaryEmbeddingConfigMixin._validate_*_rope_parameters; short/long_mscale are vLLM's
+# longrope scalings (transformers ignores them).
+ROPE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
+    "longrope": (
+        ("short_factor", "long_factor", "original_max_position_embeddings"),
+        ("factor", "attention_factor", "short_mscale", "long_mscale"),
+    ),
+    "llama3": (
+        ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+        (),
+    ),
+    "proportional": ((), ("factor",)),
+}
+# Keys any type may carry: partial rotation and the MRoPE layout (Qwen-VL, Qwen3.5).
+ROPE_COMMON_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+_ROPE_INT_KEYS = ("original_max_position_embeddings",)
+_ROPE_BOOL_KEYS = ("truncate", "mrope_interleaved")
+_ROPE_LIST_KEYS = ("short_factor", "long_factor", "mrope_section")
+# speculators 0.9.0 models/utils.py: verifiers whose final norm is x * (1 + w), matched
+# exactly against the effective (text_config) model_type.
+GEMMA_STYLE_FINAL_NORM_MODEL_TYPES = frozenset(
+    ("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_5", "qwen3_5_text", "recurrent_gemma")
+)
+VERIFIER_NORM_STYLES = ("plain", "gemma")  # x * w, x * (1 + w)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """The draft layers' ``rope_parameters`` besides ``rope_theta`` (transformers 5 keys).
+
+    ``params``: ``(key, value)`` pairs sorted by key, lists as tuples (hashable: the
+    config is a jit static argument). Validated at construction against the keys
+    transformers' ``ROPE_INIT_FUNCTIONS`` read for ``rope_type`` (docs/math.md, "RoPE").
+    """
+
+    rope_type: str = "default"
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, dict):
+            object.__setattr__(self, "params", tuple(self.params.items()))
+        items = {k: tuple(v) if isinstance(v, list) else v for k, v in self.params}
+        object.__setattr__(self, "params", tuple(sorted(items.items())))
+        where = "DSparkConfig.rope_scaling"
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"{where}.rope_type: unknown rope type {self.rope_type!r}, expected one of "
+                f"{ROPE_TYPES}"
+            )
+        required, optional = ROPE_KEYS[self.rope_type]
+        known = set(required) | set(optional) | set(ROPE_COMMON_KEYS)
+        for key, value in self.params:
+            if key not in known:
+                # Another model's key (e.g. Mistral 4's llama_4_scaling_beta): transformers'
+                # rotary and vLLM's get_rope ignore it, and so does the math here.
+                if not isinstance(value, (str, int, float, bool, tuple, type(None))):
+                    raise ValueError(
+                        f"{where}.{key}: unsupported value {value!r} (not a parameter of "
+                        f"rope_type {self.rope_type!r}: {sorted(known)})"
+                    )
+                continue
+            if value is None:
+                continue
+            if key in _ROPE_BOOL_KEYS:
+                ok = isinstance(value, bool)
+            elif key in _ROPE_INT_KEYS:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            elif key == "mrope_section":
+                ok = isinstance(value, tuple) and all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+                )
+            elif key in _ROPE_LIST_KEYS:
+                ok = isinstance(value, tuple) and all(_is_num(x) and x > 0 for x in value)
+            else:
+                ok = _is_num(value) and value > 0
+            if not ok:
+                raise ValueError(f"{where}.{key}: invalid value {value!r} for {self.rope_type!r}")
+        missing = [k for k in required if items.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"{where}: rope_type {self.rope_type!r} needs {missing} (transformers and "
+                "vLLM both read them)"
+            )
+        prf = self.get("partial_rotary_factor", 1.0)
+        if not 0 < prf <= 1:
+            raise ValueError(f"{where}.partial_rotary_factor must be in (0, 1], got {prf}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = dict(self.params).get(key)
+        return default if value is None else value
+
+    def to_dict(self) -> dict[str, Any]:
+        """``rope_parameters`` without ``rope_theta`` (lists as JSON lists)."""
+        out: dict[str, Any] = {"rope_type": self.rope_type}
+        for k, v in self.params:
+            out[k] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RopeScaling:
+        """From a ``rope_parameters`` / ``rope_scaling`` dict (``type`` is the legacy
+        spelling of ``rope_type``; ``rope_theta`` is not kept here)."""
+        d = dict(d)
+        rope_type = d.pop("rope_type", None) or d.pop("type", None) or "default"
+        d.pop("type", None)
+        d.pop("rope_theta", None)
+        return cls(rope_type, tuple(d.items()))
+
+    def attention_scaling(self, max_position_embeddings: int) -> float:
+        """The factor transformers multiplies cos and sin by (yarn and longrope; 1 otherwise)."""
+        if self.rope_type == "yarn":
+            return yarn_attention_factor(
+                self.get("factor"),
+                self.get("attention_factor"),
+                self.get("mscale"),
+                self.get("mscale_all_dim"),
+            )
+        if self.rope_type == "longrope":
+            original = self.get("original_max_position_embeddings")
+            factor = self.get("factor", max_position_embeddings / original)
+            return longrope_attention_factor(factor, self.get("attention_factor"), original)
+        return 1.0
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(factor, attention_factor=None, mscale=None, mscale_all_dim=None) -> float:
+    """transformers' ``_compute_yarn_parameters`` attention factor (vLLM's ``mscale``)."""
+    if attention_factor is not None:
+        return float(attention_factor)
+    if mscale and mscale_all_dim:
+        return float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
+    return yarn_get_mscale(factor)
+
+
+def longrope_attention_factor(factor: float, attention_factor, original: int) -> float:
+    """transformers' ``_compute_longrope_parameters`` attention factor."""
+    if attention_factor is not None:
+        return float(attention_factor)
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def verifier_norm_style(model_type: str | None) -> str:
+    """speculators' ``uses_gemma_style_final_norm`` for a verifier's effective model_type."""
+    gemma = str(model_type or "").lower() in GEMMA_STYLE_FINAL_NORM_MODEL_TYPES
+    return "gemma" if gemma else "plain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +197,12 @@ class DSparkConfig:
     layer_types: tuple[str, ...] | None = None  # None: every layer full attention
     sliding_window: int | None = None
     rope_theta: float = 1_000_000.0
+    # rope_type and its parameters (a dict is accepted); positions stay per document.
+    rope_scaling: RopeScaling = RopeScaling()
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
-    # Not used by the math (default RoPE); vLLM's draft layers read it from config.json.
+    # Read by dynamic and longrope RoPE (and yarn/longrope defaults); vLLM's draft layers
+    # read it from config.json.
     max_position_embeddings: int = 32768
     # DSpark / DFlash fields.
     block_size: int = 8
@@ -47,6 +216,9 @@ class DSparkConfig:
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     sliding_window_non_causal: bool = False
+    # The verifier's final norm convention for the training targets: "plain" x * w, or
+    # "gemma" x * (1 + w) (speculators' GEMMA_STYLE_FINAL_NORM_MODEL_TYPES).
+    verifier_norm_style: str = "plain"
     # Recorded in config.json for serving; not used by the math.
     verifier_name_or_path: str | None = None
     verifier_architectures: tuple[str, ...] = ()
@@ -59,6 +231,8 @@ class DSparkConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.draft_vocab_size is None:
             object.__setattr__(self, "draft_vocab_size", self.vocab_size)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         self._validate()
 
     def _validate(self) -> None:
@@ -151,6 +325,47 @@ class DSparkConfig:
                 "DSparkConfig.block_size must be >= 2 when sample_from_anchor=False "
                 f"(slot 0 is untrained), got {self.block_size}"
             )
+        if self.verifier_norm_style not in VERIFIER_NORM_STYLES:
+            raise ValueError(
+                f"DSparkConfig.verifier_norm_style: unknown style {self.verifier_norm_style!r}, "
+                f"expected one of {VERIFIER_NORM_STYLES}"
+            )
+        if not _is_num(self.rope_theta) or self.rope_theta <= 0:
+            raise ValueError(f"DSparkConfig.rope_theta must be positive, got {self.rope_theta!r}")
+        self._validate_rope()
+
+    def _validate_rope(self) -> None:
+        """What the Qwen3 draft layers (transformers) and vLLM's get_rope can both carry."""
+        rope, hd = self.rope_scaling, self.head_dim
+        where = "DSparkConfig.rope_scaling"
+        prf = rope.get("partial_rotary_factor", 1.0)
+        section = rope.get("mrope_section")
+        if prf < 1 and section is not None:
+            raise ValueError(
+                f"{where}: MRoPE with partial_rotary_factor={prf} < 1: the Qwen3 draft layers "
+                f"rotate all head_dim={hd} dims (speculators 0.9.0 trains them so) and vLLM would "
+                f"rotate only {int(hd * prf)}; scale mrope_section by 1/partial_rotary_factor and "
+                "set partial_rotary_factor to 1.0 (what --draft-mrope-full-head-hack does)"
+            )
+        if prf < 1 and rope.rope_type != "proportional":
+            raise ValueError(
+                f"{where}: partial_rotary_factor={prf} < 1 with rope_type {rope.rope_type!r}: "
+                f"the Qwen3 draft layers rotate all head_dim={hd} dims; remove it or set 1.0"
+            )
+        if section is not None and 2 * sum(section) != hd:
+            raise ValueError(
+                f"{where}.mrope_section {list(section)}: 2 * sum must equal head_dim={hd} "
+                "(vLLM's MRotaryEmbedding splits the rotary dims by it)"
+            )
+        if rope.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                n = len(rope.get(key))
+                if n != hd // 2:
+                    raise ValueError(
+                        f"{where}.{key} has {n} entries, expected head_dim // 2 = {hd // 2} (one "
+                        "per rotated frequency; a verifier with partial rotary needs a "
+                        "--draft-config with factors for the full head)"
+                    )
 
     # ----------------------------------------------------------------- derived
     @property
@@ -201,7 +416,7 @@ class DSparkConfig:
             "max_window_layers": self.num_hidden_layers,
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {**self.rope_scaling.to_dict(), "rope_theta": self.rope_theta},
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "hidden_act": "silu",
@@ -226,6 +441,8 @@ class DSparkConfig:
             "confidence_head_with_markov": self.confidence_head_with_markov,
             "sliding_window_non_causal": self.sliding_window_non_causal,
             "target_hidden_size": self.target_hidden_size,
+            # dspark-jax's record of the training targets' verifier norm (readers ignore it).
+            "verifier_norm_style": self.verifier_norm_style,
             "tie_word_embeddings": False,
             "dtype": "bfloat16",
             "speculators_config": {
@@ -280,6 +497,8 @@ class DSparkConfig:
             enable_confidence_head=bool(d.get("enable_confidence_head", True)) and dspark,
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
             sliding_window_non_causal=bool(d.get("sliding_window_non_causal", False)),
+            # Absent in folders speculators wrote: it decides from the verifier at load time.
+            verifier_norm_style=d.get("verifier_norm_style") or "plain",
             verifier_name_or_path=verifier.get("name_or_path"),
             verifier_architectures=tuple(verifier.get("architectures") or ()),
         )
@@ -381,8 +600,9 @@ def check_field_types(d: dict[str, Any], source: str = "config.json") -> None:
 def decoder_fields_from_qwen3(tl: dict[str, Any], source: str = "draft config") -> dict[str, Any]:
     """The decoder-geometry fields of DSparkConfig from an HF Qwen3-style config dict.
 
-    Accepts transformers 4 (``rope_theta``) and 5 (``rope_parameters``) spellings.
-    Only default RoPE is supported: other rope types raise rather than train wrong.
+    Accepts transformers 4 (``rope_theta`` + ``rope_scaling``) and 5 (``rope_parameters``)
+    spellings; per-layer-type rope takes its ``sliding_attention`` entry, as speculators'
+    ``flatten_rope_parameters`` does.
     """
     for required in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
         if required not in tl:
@@ -392,13 +612,12 @@ def decoder_fields_from_qwen3(tl: dict[str, Any], source: str = "draft config") 
     rope = tl.get("rope_parameters") or tl.get("rope_scaling") or {}
     if "sliding_attention" in rope:  # per-layer-type rope (speculators takes the sliding one)
         rope = rope["sliding_attention"]
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"{source}: rope_parameters.rope_type {rope_type!r} is not supported "
-            "(only 'default' RoPE)"
-        )
     theta = rope.get("rope_theta", tl.get("rope_theta", 10000.0))
+    max_positions = int(tl.get("max_position_embeddings") or 32768)
+    try:
+        scaling = rope_scaling_from_dict(rope, max_positions)
+    except ValueError as e:
+        raise ValueError(f"{source}: rope_parameters: {e}") from None
     layer_types = tl.get("layer_types")
     sliding_window = tl.get("sliding_window")
     if layer_types is None and tl.get("use_sliding_window") and sliding_window:
@@ -418,7 +637,41 @@ def decoder_fields_from_qwen3(tl: dict[str, Any], source: str = "draft config") 
         if layer_types and "sliding_attention" in layer_types
         else None,
         rope_theta=float(theta),
+        rope_scaling=scaling,
         rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
         attention_bias=bool(tl.get("attention_bias", False)),
-        max_position_embeddings=int(tl.get("max_position_embeddings") or 32768),
+        max_position_embeddings=max_positions,
     )
+
+
+def rope_scaling_from_dict(rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """A ``rope_parameters`` dict as transformers standardizes it, with the keys vLLM
+    0.33's ``get_rope`` needs to compute the same function (transformers' is unchanged):
+
+    * llama3/yarn/longrope without ``original_max_position_embeddings``: transformers
+      defaults it to max_position_embeddings (``standardize_rope_params``);
+    * yarn with ``factor: null``: transformers uses max_position_embeddings /
+      original_max_position_embeddings, vLLM indexes ``factor``;
+    * longrope: transformers scales cos/sin by ``attention_factor`` (or one derived from
+      ``factor``), vLLM by ``short_mscale``/``long_mscale`` (or one derived from
+      max_position_embeddings): written out when the two differ.
+    """
+    params = dict(rope)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    params.pop("rope_theta", None)
+    if rope_type in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "yarn" and params.get("factor") is None and original:
+        params["factor"] = max_position_embeddings / original
+    scaling = RopeScaling(rope_type, tuple(params.items()))
+    if rope_type == "longrope":
+        ours = scaling.attention_scaling(max_position_embeddings)
+        vllm = longrope_attention_factor(max_position_embeddings / original, None, original)
+        if ours != vllm:
+            for key in ("short_mscale", "long_mscale"):
+                if params.get(key) is None:
+                    params[key] = ours
+            scaling = RopeScaling(rope_type, tuple(params.items()))
+    return scaling

@@ -8,15 +8,21 @@ from __future__ import annotations
 from dspark_jax.config import DSparkConfig
 
 
-def reference_config(cfg: DSparkConfig):
+def reference_config(cfg: DSparkConfig, transformer_layer_config=None, verifier: str | None = None):
+    """``transformer_layer_config``: the reference's own decoder config (e.g. from its
+    ``create_transformer_layer_config``) instead of ours; ``verifier``: the verifier path
+    the reference resolves its final-norm convention from (None: the plain one)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dspark import DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    tl = dict(cfg.transformer_layer_dict())
-    tl.pop("model_type"), tl.pop("architectures")
-    tl_config = Qwen3Config(**tl)
+    if transformer_layer_config is None:
+        tl = dict(cfg.transformer_layer_dict())
+        tl.pop("model_type"), tl.pop("architectures")
+        tl_config = Qwen3Config(**tl)
+    else:
+        tl_config = transformer_layer_config
     tl_config._attn_implementation = "eager"  # flex attention needs a GPU
     return DSparkSpeculatorConfig(
         transformer_layer_config=tl_config,
@@ -34,6 +40,6 @@ def reference_config(cfg: DSparkConfig):
             algorithm="dspark",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.speculative_tokens)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+            verifier=VerifierConfig(name_or_path=verifier, architectures=[]),
         ),
     )

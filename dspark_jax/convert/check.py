@@ -29,7 +29,13 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors read
 import numpy as np
 from safetensors import safe_open
 
-from dspark_jax.config import DSparkConfig
+from dspark_jax.config import (
+    ROPE_KEYS,
+    ROPE_TYPES,
+    DSparkConfig,
+    RopeScaling,
+    longrope_attention_factor,
+)
 from dspark_jax.convert import vllm_rules
 
 TARGETS = ("vllm", "speculators")
@@ -201,8 +207,77 @@ class _Checker:
         return v
 
 
-def _check_config(d: dict, c: _Checker) -> None:
-    """What speculators 0.9.0's DSpark config and from_pretrained need."""
+def _check_rope(tl: dict, c: _Checker, vllm: bool) -> None:
+    """``rope_parameters`` as vLLM 0.33's ``get_rope`` reads them
+    (``model_executor/layers/rotary_embedding/__init__.py``), against what was trained
+    (transformers' ``ROPE_INIT_FUNCTIONS``, docs/math.md "RoPE")."""
+    w = "transformer_layer_config.rope_parameters"
+    rope = tl.get("rope_parameters")
+    if not isinstance(rope, dict) or not _is_num(rope.get("rope_theta")):
+        c.err(
+            f"config.json: {w}.rope_theta is missing (vLLM would default it to 1e6), got "
+            f"rope_parameters={rope!r}"
+        )
+        return
+    kind = rope.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        c.err(f"config.json: {w}.rope_type {kind!r} is not one trained here: {ROPE_TYPES}")
+        return
+    if not vllm:
+        return
+    if "type" in rope:
+        c.err(f"config.json: {w} has the legacy 'type' key, which breaks vLLM's config checks")
+    missing = [k for k in ROPE_KEYS[kind][0] if rope.get(k) is None]
+    if missing:
+        c.err(
+            f"config.json: {w}: rope_type {kind!r} needs {missing} (vLLM's get_rope indexes them)"
+        )
+        return
+    max_pos = tl.get("max_position_embeddings")
+    if kind == "dynamic":
+        c.warn(
+            f"config.json: {w}: vLLM 0.33 serves dynamic NTK scaled for max_position_embeddings "
+            "* factor at every length; the drafter was trained (transformers) unscaled on rows "
+            "within max_position_embeddings"
+        )
+    if kind == "proportional" and rope.get("factor", 1.0) != 1.0:
+        c.err(
+            f"config.json: {w}: proportional rope with factor={rope['factor']}: vLLM's "
+            "Gemma4RotaryEmbedding ignores factor (transformers divides the frequencies by it)"
+        )
+    if kind == "longrope" and _is_int(max_pos):
+        original = rope["original_max_position_embeddings"]
+        c.warn(
+            f"config.json: {w}: vLLM uses long_factor at every position when max_model_len > "
+            f"original_max_position_embeddings={original}; training used short_factor on rows "
+            "within it"
+        )
+        try:
+            trained = RopeScaling.from_dict(rope).attention_scaling(max_pos)
+        except ValueError as e:
+            c.err(f"config.json: {w}: {e}")
+            return
+        derived = longrope_attention_factor(max_pos / original, None, original)
+        for key in ("short_mscale", "long_mscale"):
+            served = rope.get(key, derived)
+            if not math.isclose(served, trained, rel_tol=1e-12):
+                c.err(
+                    f"config.json: {w}: vLLM scales cos/sin by {key}={served}, the drafter was "
+                    f"trained with attention scaling {trained}; set {key} to it"
+                )
+    section = rope.get("mrope_section")
+    head_dim = tl.get("head_dim")
+    if section is not None and _is_int(head_dim):
+        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        if not isinstance(section, list) or 2 * sum(section) != rotary:
+            c.err(
+                f"config.json: {w}.mrope_section {section!r}: vLLM's MRotaryEmbedding needs "
+                f"2 * sum = the rotary dims ({rotary})"
+            )
+
+
+def _check_config(d: dict, c: _Checker, target: str) -> None:
+    vllm = target == "vllm"
     if "model_type" in d:
         c.err(
             f"config.json: top-level 'model_type' ({d['model_type']!r}) must be absent: vLLM "
@@ -266,17 +341,7 @@ def _check_config(d: dict, c: _Checker) -> None:
         act = c.field(tl, "hidden_act", "str", w)
         if act is not None and act != "silu":
             c.err(f"config.json: {w}hidden_act must be 'silu' (Qwen3 MLP), got {act!r}")
-        rope = tl.get("rope_parameters")
-        if not isinstance(rope, dict) or not _is_num(rope.get("rope_theta")):
-            c.err(
-                f"config.json: {w}rope_parameters.rope_theta is missing (vLLM would "
-                f"default it to 1e6), got rope_parameters={rope!r}"
-            )
-        elif rope.get("rope_type", "default") != "default":
-            c.err(
-                f"config.json: {w}rope_parameters.rope_type {rope.get('rope_type')!r} is "
-                "not supported (only 'default' RoPE is trained here)"
-            )
+        _check_rope(tl, c, vllm)
         if "attention_bias" in tl:
             c.field(tl, "attention_bias", "bool", w)
         layer_types = tl.get("layer_types")
@@ -545,7 +610,7 @@ def check_folder(
     if target == "vllm":
         _check_vllm(folder, d, report, verifier, tensor_parallel_size)
         return report
-    _check_config(d, c)
+    _check_config(d, c, target)
     try:
         report.config = DSparkConfig.from_speculators_dict(d, source=str(cfg_path))
     except (ValueError, TypeError, KeyError) as e:
@@ -569,6 +634,10 @@ def _check_vllm(folder, d, report, verifier, tensor_parallel_size) -> None:
     report.errors += found.errors
     report.warnings += found.warnings
     report.notes += found.notes
+    tl = d.get("transformer_layer_config")
+    rope = tl.get("rope_parameters") if isinstance(tl, dict) else None
+    if isinstance(rope, dict) and _is_num(rope.get("rope_theta")):
+        _check_rope(tl, c, vllm=True)  # the keys get_rope indexes, against what was trained
     if not report.ok:
         return
     try:

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from dspark_jax.config import DSparkConfig
+from dspark_jax.config import DSparkConfig, verifier_norm_style
 from dspark_jax.convert.check import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
 from dspark_jax.data.vocab import VocabError, check_vocab_maps
 from dspark_jax.model.params import from_speculators, speculators_key
@@ -230,6 +230,14 @@ def import_folder(
         src_cfg = DSparkConfig.from_speculators_dict(config, source=str(src / CONFIG_FILE))
     except ValueError as e:
         raise ImportFolderError(str(e)) from None
+    if "verifier_norm_style" not in config:
+        # A folder speculators wrote: it takes the convention from the verifier at load time.
+        from dspark_jax.data.verifier import verifier_model_type
+
+        verifier = verifier_path or src_cfg.verifier_name_or_path
+        model_type = verifier_model_type(verifier) if verifier else None
+        if model_type:
+            src_cfg = src_cfg.replace(verifier_norm_style=verifier_norm_style(model_type))
 
     if kind == "dspark":
         if "sample_from_anchor" not in config:

@@ -68,6 +68,19 @@ class VerifierTensors:
     tied: bool
 
 
+def verifier_model_type(folder: str | os.PathLike) -> str | None:
+    """The verifier's effective model_type (its ``text_config``'s when it has one, as
+    speculators' ``get_verifier_config``), or None without a readable config.json."""
+    path = Path(folder) / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if isinstance(d.get("text_config"), dict):
+        d = d["text_config"]
+    return d.get("model_type") or None
+
+
 def _weight_map(folder: Path) -> dict[str, str]:
     index = folder / INDEX_FILE
     if index.exists():

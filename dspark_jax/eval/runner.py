@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.config import DSparkConfig
+from dspark_jax.config import DSparkConfig, verifier_norm_style
 from dspark_jax.convert import load
-from dspark_jax.data.verifier import load_verifier_tensors
+from dspark_jax.data.verifier import load_verifier_tensors, verifier_model_type
 from dspark_jax.eval import acceptance, calibration, report
 from dspark_jax.eval.slot_statistics import row_statistics
 from dspark_jax.model.draft import ROW_KEYS, DSparkDraftModel, FrozenWeights
@@ -95,6 +95,18 @@ def load_drafter(
     else:
         temps = path / f"confidence_temperatures-{loaded.step}.json"
     return Drafter(loaded.cfg, loaded.params, loaded.step, str(path), loaded.vocab_maps, temps)
+
+
+def with_verifier_norm(cfg: DSparkConfig, verifier: str | Path, choice: str) -> DSparkConfig:
+    """``cfg`` with the targets' verifier norm convention: ``choice`` (plain/gemma), or for
+    ``auto`` speculators' choice from the verifier's model_type, else the drafter's record."""
+    style = choice
+    if style == "auto":
+        model_type = verifier_model_type(verifier)
+        style = verifier_norm_style(model_type) if model_type else cfg.verifier_norm_style
+    if style != cfg.verifier_norm_style:
+        log.info("verifier norm: %s (the drafter records %s)", style, cfg.verifier_norm_style)
+    return cfg.replace(verifier_norm_style=style)
 
 
 def load_frozen(cfg: DSparkConfig, verifier: str | Path, t2d: np.ndarray | None) -> FrozenWeights:
@@ -317,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step", default="latest", help="Orbax step: an int, 'latest' or 'best'")
     g.add_argument("--verifier", default=None,
                    help="local HF folder of the verifier (default: the config's verifier path)")  # fmt: skip
+    g.add_argument("--verifier-norm-style", default="auto", choices=("auto", "plain", "gemma"),
+                   help="the verifier's final norm for the targets: plain x * w, gemma x * (1 + w); "
+                   "auto: from the verifier config's model_type, else the drafter's record")  # fmt: skip
     g.add_argument("--d2t", default=None, help="draft vocab map d2t-<Vd>.npy (overrides)")
     g.add_argument("--t2d", default=None, help="draft vocab map t2d-<Vd>.npy (overrides)")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -409,6 +424,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not 1 <= n_draft <= cfg.speculative_tokens:
         raise EvalError(f"--num-draft-tokens must be in [1, {cfg.speculative_tokens}]")
     verifier = _resolve_verifier(args, cfg)
+    cfg = with_verifier_norm(cfg, verifier, args.verifier_norm_style)
+    drafter = dataclasses.replace(drafter, cfg=cfg)
     frozen = load_frozen(
         cfg, verifier, None if drafter.vocab_maps is None else drafter.vocab_maps[1]
     )

@@ -22,7 +22,17 @@ from dspark_jax import anchors as anchor_ops
 from dspark_jax import losses
 from dspark_jax.config import DSparkConfig
 from dspark_jax.model.heads import ConfidenceHead, MarkovHead
-from dspark_jax.model.layers import DecoderLayer, RMSNorm, linear, rms_norm, rope_cos_sin
+from dspark_jax.model.layers import (
+    DecoderLayer,
+    RMSNorm,
+    RopeTables,
+    gemma_rms_norm,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    rope_frequencies,
+    rope_tables,
+)
 
 ROW_KEYS = (
     "hidden_states",  # [S, n_aux * Ht] aux verifier layers, layer-major
@@ -40,7 +50,7 @@ class FrozenWeights(NamedTuple):
     embed_tokens: jax.Array  # [Vt, H]
     lm_head: jax.Array  # [H, Vd] draft head (verifier head rows of the draft vocab)
     verifier_lm_head: jax.Array  # [H, Vd] the targets' head (same rows)
-    verifier_norm: jax.Array  # [H] verifier final norm weight
+    verifier_norm: jax.Array  # [H] verifier final norm weight, as stored (config's style)
 
     def check(self, cfg: DSparkConfig) -> None:
         """Raise with the field name and both shapes on any mismatch with the config."""
@@ -136,8 +146,13 @@ class DSparkDraftModel(nnx.Module):
         row: dict[str, jax.Array],
         anchors: jax.Array,  # [A] int32
         frozen: FrozenWeights,
+        rope: RopeTables | None = None,
     ) -> DraftOutputs:
-        """Run the drafter on one packed row (see ROW_KEYS) for the given anchors."""
+        """Run the drafter on one packed row (see ROW_KEYS) for the given anchors.
+
+        rope: ``rope_tables(config)``, by default embedded as constants; pass them as
+        an argument of a jitted caller to reuse one compilation across rope configs.
+        """
         cfg = self.config
         b = cfg.block_size
         check_row(row, cfg)
@@ -155,8 +170,13 @@ class DSparkDraftModel(nnx.Module):
 
         ctx = self.hidden_norm(self.fc(row["hidden_states"]))  # [S, H]
         block_pos = anchor_ops.block_indices(positions[anchors], b)  # anchor position + k
-        rope_blk = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta)
-        rope_ctx = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        tables = rope_tables(cfg) if rope is None else rope
+        # Length-dependent rope types (dynamic, longrope) see the row's largest position,
+        # context and blocks together, like the reference's one rotary call per row.
+        seq_len = jnp.maximum(positions.max(), block_pos.max()) + 1
+        inv_freq = rope_frequencies(tables, seq_len)
+        rope_blk = rope_cos_sin(block_pos, inv_freq, tables.attention_scaling)
+        rope_ctx = rope_cos_sin(positions, inv_freq, tables.attention_scaling)
 
         for layer in self.layers:
             # Pure split/merge + jax.checkpoint (not nnx.remat) so the model can be
@@ -230,12 +250,17 @@ def target_hidden(
 ) -> jax.Array:
     """verifier_norm(h_last) at each slot's target position: [Q, Ht] (no gradient).
 
-    The verifier norm uses the draft config's rms_norm_eps, like the reference.
+    The verifier norm uses the draft config's rms_norm_eps, like the reference, and the
+    verifier's own convention (``cfg.verifier_norm_style``): Qwen3's ``w * x`` or
+    Gemma's ``(1 + w) * x``, each with its numerics.
     """
     (seq_len,) = row["input_ids"].shape
     idx = anchor_ops.target_indices(anchors, cfg.block_size, seq_len, cfg.sample_from_anchor)
     h_last = row["verifier_last_hidden_states"][idx]
-    normed = rms_norm(h_last, frozen.verifier_norm.astype(h_last.dtype), cfg.rms_norm_eps)
+    if cfg.verifier_norm_style == "gemma":
+        normed = gemma_rms_norm(h_last, frozen.verifier_norm, cfg.rms_norm_eps)
+    else:
+        normed = rms_norm(h_last, frozen.verifier_norm.astype(h_last.dtype), cfg.rms_norm_eps)
     return jax.lax.stop_gradient(normed.astype(dtype))
 
 
@@ -246,10 +271,12 @@ def row_loss(
     anchors: jax.Array,
     valid: jax.Array,
     settings: LossSettings,
+    rope: RopeTables | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """DSpark loss and speculators metrics (``*_sum``/``*_total``) of one row."""
+    """DSpark loss and speculators metrics (``*_sum``/``*_total``) of one row
+    (``rope``: see :meth:`DSparkDraftModel.__call__`)."""
     cfg = model.config
-    out = model(row, anchors, frozen)
+    out = model(row, anchors, frozen, rope)
     values = losses.per_position_values(
         out.hidden,
         jax.lax.stop_gradient(frozen.lm_head.astype(model.dtype)),

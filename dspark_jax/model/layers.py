@@ -1,5 +1,6 @@
-"""Qwen3 building blocks of the draft decoder: RMSNorm, RoPE, SwiGLU MLP, and the
-decoder layer whose attention injects the verifier context as extra keys/values.
+"""Qwen3 building blocks of the draft decoder: RMSNorm, RoPE (every rope type the draft
+layers carry), SwiGLU MLP, and the decoder layer whose attention injects the verifier
+context as extra keys/values.
 
 Parameters are fp32 ("master") and cast to ``dtype`` (the compute dtype) at use;
 the residual stream stays in fp32. Parameter names mirror speculators' keys
@@ -8,8 +9,12 @@ the residual stream stays in fp32. Parameter names mirror speculators' keys
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.config import DSparkConfig
@@ -51,6 +56,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma3RMSNorm numerics: x * (1 + w), all in fp32, rounded to the input dtype once."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float, axis_name: str = "norm"):
         self.weight = nnx.Param(jnp.ones((size,), jnp.float32), out_sharding=(axis_name,))
@@ -60,12 +72,147 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """Default RoPE tables for integer positions [...] -> cos, sin [..., head_dim] (fp32)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+class RopeTables(NamedTuple):
+    """A drafter's RoPE as arrays, computed on the host by :func:`rope_tables`.
+
+    Passed into a jitted step they let one compilation serve every rope type; by
+    default the model embeds them as constants. A row whose largest position is
+    ``n - 1`` (context and block positions together, as transformers'
+    ``dynamic_rope_update`` sees them) uses ``inv_freq_long`` when ``n > long_from``
+    (longrope) and dynamic-NTK frequencies when ``n > dynamic_from`` (dynamic).
+    """
+
+    inv_freq: np.ndarray  # [D/2] fp32
+    inv_freq_long: np.ndarray  # [D/2] fp32 (== inv_freq except for longrope)
+    long_from: np.ndarray  # int32 []: longrope's original_max_position_embeddings, else never
+    dynamic_from: np.ndarray  # int32 []: dynamic's max_position_embeddings, else never
+    dynamic_factor: np.ndarray  # fp32 []
+    dynamic_factor_m1: np.ndarray  # fp32 []: factor - 1, rounded once as torch does
+    theta: np.ndarray  # fp32 []
+    attention_scaling: np.ndarray  # fp32 []: cos and sin are multiplied by it
+
+
+NEVER = np.iinfo(np.int32).max
+F32 = np.float32
+
+
+def _default_inv_freq(theta: float, dim: int) -> np.ndarray:
+    """``1 / theta ** (arange(0, dim, 2) / dim)`` in fp32, torch's order of operations."""
+    return F32(1.0) / (F32(theta) ** (np.arange(0, dim, 2, dtype=F32) / F32(dim)))
+
+
+def _yarn_inv_freq(cfg: DSparkConfig, dim: int) -> np.ndarray:
+    """transformers' ``_compute_yarn_parameters`` frequencies."""
+    rope, base = cfg.rope_scaling, cfg.rope_theta
+    factor = rope.get("factor")
+    original = rope.get("original_max_position_embeddings")
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = F32(base) ** (np.arange(0, dim, 2, dtype=F32) / F32(dim))
+    extrapolation = F32(1.0) / pos_freqs
+    interpolation = F32(1.0) / (F32(factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=F32) - F32(low)) / F32(high - low), 0, 1)
+    keep = F32(1) - ramp  # the extrapolated share of each frequency
+    return interpolation * (F32(1) - keep) + extrapolation * keep
+
+
+def _llama3_inv_freq(cfg: DSparkConfig, dim: int) -> np.ndarray:
+    """transformers' ``_compute_llama3_parameters`` frequencies."""
+    rope = cfg.rope_scaling
+    inv = _default_inv_freq(cfg.rope_theta, dim)
+    factor, low, high = (rope.get(k) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old_context = rope.get("original_max_position_embeddings")
+    low_wavelen, high_wavelen = F32(old_context / low), F32(old_context / high)
+    # torch evaluates `scalar / tensor` as `tensor.reciprocal() * scalar`.
+    wavelen = (F32(1) / inv) * F32(2 * math.pi)
+    scaled = np.where(wavelen > low_wavelen, inv / F32(factor), inv)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = ((F32(1) / wavelen) * F32(old_context) - F32(low)) / F32(high - low)
+    smoothed = (F32(1) - smooth) * scaled / F32(factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(F32)
+
+
+def rope_tables(cfg: DSparkConfig) -> RopeTables:
+    """The inverse frequencies and attention scaling transformers' ``ROPE_INIT_FUNCTIONS``
+    give the draft layers' ``Qwen3RotaryEmbedding`` (fp32, its order of operations)."""
+    rope, hd = cfg.rope_scaling, cfg.head_dim
+    kind = rope.rope_type
+    inv = long = None
+    long_from = dynamic_from = NEVER
+    dynamic_factor, dynamic_factor_m1 = 1.0, 0.0
+    if kind in ("default", "dynamic"):
+        inv = _default_inv_freq(cfg.rope_theta, hd)  # dynamic below its threshold
+        if kind == "dynamic":
+            dynamic_from = cfg.max_position_embeddings
+            dynamic_factor = rope.get("factor")
+            dynamic_factor_m1 = dynamic_factor - 1
+    elif kind == "linear":
+        inv = _default_inv_freq(cfg.rope_theta, hd) / F32(rope.get("factor"))
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(cfg, hd)
+    elif kind == "llama3":
+        inv = _llama3_inv_freq(cfg, hd)
+    elif kind == "longrope":
+        shape = np.arange(0, hd, 2, dtype=F32) / F32(hd)
+        powers = F32(cfg.rope_theta) ** shape
+        inv = F32(1.0) / (np.asarray(rope.get("short_factor"), F32) * powers)
+        long = F32(1.0) / (np.asarray(rope.get("long_factor"), F32) * powers)
+        long_from = rope.get("original_max_position_embeddings")
+    elif kind == "proportional":
+        angles = int(rope.get("partial_rotary_factor", 1.0) * hd // 2)
+        rotated = F32(1.0) / (
+            F32(cfg.rope_theta) ** (np.arange(0, 2 * angles, 2, dtype=F32) / F32(hd))
+        )
+        inv = np.concatenate([rotated, np.zeros(hd // 2 - angles, F32)])
+        inv = inv / F32(rope.get("factor", 1.0))
+    else:  # DSparkConfig validates rope_type; a new type must be added here
+        raise ValueError(f"rope_tables: no frequencies for rope_type {kind!r}")
+    inv = np.asarray(inv, F32)
+    return RopeTables(
+        inv_freq=inv,
+        inv_freq_long=inv if long is None else np.asarray(long, F32),
+        long_from=np.asarray(long_from, np.int32),
+        dynamic_from=np.asarray(dynamic_from, np.int32),
+        dynamic_factor=np.asarray(dynamic_factor, F32),
+        dynamic_factor_m1=np.asarray(dynamic_factor_m1, F32),
+        theta=np.asarray(cfg.rope_theta, F32),
+        attention_scaling=np.asarray(rope.attention_scaling(cfg.max_position_embeddings), F32),
+    )
+
+
+def rope_frequencies(rope: RopeTables, seq_len: jax.Array) -> jax.Array:
+    """The inverse frequencies [D/2] (fp32) of a row whose largest position is seq_len - 1.
+
+    Stateless: transformers' dynamic-NTK module keeps the largest length it has seen
+    until a row is shorter than max_position_embeddings; this is its value for a fresh
+    module (docs/math.md, "RoPE").
+    """
+    inv = jnp.where(seq_len > rope.long_from, rope.inv_freq_long, rope.inv_freq)
+    dim = 2 * inv.shape[0]
+    s = jnp.maximum(seq_len, rope.dynamic_from).astype(jnp.float32)
+    scale = rope.dynamic_factor * s / rope.dynamic_from.astype(jnp.float32) - rope.dynamic_factor_m1
+    base = rope.theta * scale ** jnp.float32(dim / (dim - 2) if dim > 2 else 1.0)
+    dynamic = 1.0 / base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / jnp.float32(dim))
+    return jnp.where(seq_len > rope.dynamic_from, dynamic, inv)
+
+
+def rope_cos_sin(
+    positions: jax.Array, inv_freq: jax.Array, attention_scaling: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """RoPE tables for integer positions [...] -> cos, sin [..., D] (fp32), scaled."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * attention_scaling, jnp.sin(emb) * attention_scaling
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

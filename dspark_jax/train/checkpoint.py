@@ -11,7 +11,8 @@ A checkpoint directory is an ``ocp.CheckpointManager`` root; step ``N`` lives in
   restores ``state["params"]`` only (a partial restore), so a training checkpoint and
   a params-only one (``python -m converters import``) read the same way.
 * ``meta`` (``ocp.args.JsonSave``): ``{"format": FORMAT, "step": N, "config":
-  DSparkConfig.to_speculators_dict(), ...}``; optional ``"metrics": {name: float}``
+  DSparkConfig.to_speculators_dict(), ...}`` (the config records the rope parameters
+  and the verifier's final-norm convention, ``verifier_norm_style``, of the targets); optional ``"metrics": {name: float}``
   (used by ``step="best"``), ``"source"``, ``"vocab_maps"``; a training checkpoint adds
   the epoch, step within the epoch, best validation loss and seed.
 * ``data`` (training checkpoints only): the Grain iterator state of each process

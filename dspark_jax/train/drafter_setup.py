@@ -11,7 +11,20 @@ mask token) are read as JSON. Three sources, as in the reference:
 * neither: the decoder derived from the verifier config
   (``create_transformer_layer_config``: ``--num-layers``, sliding window on every
   layer except ``--full-attention-indices``, verifier head geometry, MLP width =
-  the verifier's ``intermediate_size`` or 3 x hidden for MoE verifiers).
+  the verifier's ``intermediate_size`` or 3 x hidden for MoE verifiers without one,
+  the verifier's rope parameters as transformers standardizes them: per-layer-type
+  rope takes its sliding entry, partial rotary is dropped, MRoPE keeps its sections
+  rescaled to the full head and trains text-only, docs/math.md "RoPE").
+
+The verifier's ``config.json`` is read as its transformers config class would fill it
+where a Hub config leaves fields to the class: MLA verifiers' ``head_dim`` is
+``qk_rope_head_dim`` (``qk_nope_head_dim + qk_rope_head_dim`` for Mistral 4). Where the
+reference fails (a class without ``head_dim``, e.g. Phi-3, makes its
+``Qwen3Config(head_dim=None)`` raise) ``hidden_size // num_attention_heads`` is used.
+
+The verifier's final-norm convention (``DSparkConfig.verifier_norm_style``) is taken
+from its effective model_type as speculators takes it, unless
+``--verifier-norm-style`` says otherwise.
 """
 
 from __future__ import annotations
@@ -25,13 +38,33 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from dspark_jax.config import DSparkConfig, decoder_fields_from_qwen3
+from dspark_jax.config import DSparkConfig, decoder_fields_from_qwen3, verifier_norm_style
 from dspark_jax.convert import load
 from dspark_jax.data.hs_names import EXTRACTION_CONFIG
 from dspark_jax.data.vocab import resolve_vocab_maps
 from dspark_jax.train.flags import ConfigError, TrainArgs
 
 log = logging.getLogger(__name__)
+
+# MLA verifiers whose transformers config sets head_dim = qk_rope_head_dim (a Hub
+# config.json omits head_dim); mistral4 sets qk_nope_head_dim + qk_rope_head_dim.
+ROPE_HEAD_DIM_MODEL_TYPES = frozenset(
+    (
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "kimi_k2",
+        "kimi_linear",
+        "glm_moe_dsa",
+        "glm5_next",
+        "minicpm3",
+        "youtu",
+        "hy_v4",
+        "axk1",
+        "axk2",
+    )
+)
+MROPE_INVERSE_TOLERANCE = 1e-6  # speculators' tolerance on 1 / partial_rotary_factor
 
 # Flags that shape the drafter; with --from-pretrained the checkpoint's config decides
 # and a flag that disagrees with it is an error.
@@ -112,12 +145,120 @@ def check_target_layer_ids(ids, n: int, what: str = "target_layer_ids") -> None:
         )
 
 
+def verifier_head_dim(verifier: dict[str, Any]) -> int | None:
+    """``head_dim`` as the verifier's transformers config class sets it."""
+    model_type = str(verifier.get("model_type") or "")
+    if model_type in ROPE_HEAD_DIM_MODEL_TYPES and verifier.get("qk_rope_head_dim"):
+        return int(verifier["qk_rope_head_dim"])
+    if model_type == "mistral4" and verifier.get("qk_rope_head_dim"):
+        return int(verifier["qk_rope_head_dim"]) + int(verifier.get("qk_nope_head_dim") or 0)
+    head_dim = verifier.get("head_dim")
+    return int(head_dim) if head_dim else None
+
+
+def verifier_rope_parameters(verifier: dict[str, Any]) -> dict[str, Any]:
+    """The verifier's ``rope_parameters`` as transformers 5 standardizes its config.json
+    (``convert_rope_params_to_dict``): ``rope_scaling`` wins over ``rope_parameters``,
+    top-level ``rope_theta`` / ``partial_rotary_factor`` / ``original_max_position_embeddings``
+    move in, ``type`` becomes ``rope_type``; per-layer-type dicts stay nested."""
+    rope = verifier.get("rope_scaling") or verifier.get("rope_parameters") or {}
+    rope = json.loads(json.dumps(rope))  # a deep copy
+    model_type = str(verifier.get("model_type") or "")
+    theta = verifier.get("rope_theta", 10000.0)
+    if model_type in ("gemma3", "gemma3_text") and "sliding_attention" not in rope:
+        # Gemma3TextConfig: rope_scaling is the full-attention rope; sliding layers use
+        # rope_local_base_freq.
+        full = {"rope_type": "default", **rope, "rope_theta": theta}
+        local = verifier.get("rope_local_base_freq", 10000.0)
+        return {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+    if "sliding_attention" in rope or "full_attention" in rope:
+        for sub in rope.values():
+            if isinstance(sub, dict):
+                sub.setdefault("rope_theta", theta)
+                sub.setdefault("rope_type", sub.get("type", "default"))
+        return rope
+    rope.setdefault("rope_theta", theta)
+    if verifier.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", verifier["partial_rotary_factor"])
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "mrope":  # the Qwen2-VL family's legacy name of MRoPE
+        rope["rope_type"] = "default"
+    if model_type == "phi3" and rope["rope_type"] in ("su", "yarn"):
+        rope["rope_type"] = "longrope"
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        if verifier.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = verifier["original_max_position_embeddings"]
+        else:
+            rope.setdefault(
+                "original_max_position_embeddings", verifier.get("max_position_embeddings")
+            )
+    return rope
+
+
+def draft_rope_parameters(
+    args: TrainArgs, verifier: dict[str, Any], head_dim: int
+) -> dict[str, Any]:
+    """``create_transformer_layer_config``'s rope of the draft layers (transformers 5)."""
+    rope = verifier_rope_parameters(verifier)
+    if "rope_theta" not in rope:  # per-layer-type: the draft uses one rope
+        sub = rope.get("sliding_attention") or rope.get("full_attention") or {}
+        rope = dict(sub) if isinstance(sub, dict) else {}
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", 10000.0)
+    if "mrope_section" in rope:
+        prf = float(rope.get("partial_rotary_factor", 1.0))
+        if prf < 1.0 and not args.draft_mrope_full_head_hack:
+            raise ConfigError(
+                f"verifier {args.verifier_name_or_path}: MRoPE with partial_rotary_factor={prf} "
+                "and --no-draft-mrope-full-head-hack: speculators 0.9.0 trains these draft "
+                f"layers with full-head RoPE, and vLLM would rotate only {int(head_dim * prf)} "
+                f"of {head_dim} dims; drop --no-draft-mrope-full-head-hack (the default "
+                "rescales mrope_section to the full head)"
+            )
+        if prf < 1.0:
+            inv = 1.0 / prf
+            if abs(inv - round(inv)) > MROPE_INVERSE_TOLERANCE:
+                raise ConfigError(
+                    "mrope_full_head_hack cannot rescale mrope_section because "
+                    f"1/partial_rotary_factor={inv} is not an integer."
+                )
+            old = list(rope["mrope_section"])
+            section = [int(x) * round(inv) for x in old]
+            if 2 * sum(section) != head_dim:
+                raise ConfigError(
+                    f"mrope_full_head_hack rescaling produced inconsistent mrope_section "
+                    f"{section}: 2*sum={2 * sum(section)} but head_dim={head_dim}."
+                )
+            rope["mrope_section"], rope["partial_rotary_factor"] = section, 1.0
+            log.warning(
+                "MRoPE full-head hack applied: partial_rotary_factor %s -> 1.0, mrope_section "
+                "%s -> %s. The drafter trains on text positions (MRoPE with t = h = w).",
+                prf,
+                old,
+                section,
+            )
+    rope.pop("type", None)
+    rope.pop("mrope_interleaved", None)
+    if "mrope_section" not in rope:
+        rope.pop("partial_rotary_factor", None)
+    return rope
+
+
 def derive_decoder(args: TrainArgs, verifier: dict[str, Any]) -> dict[str, Any]:
     """``create_transformer_layer_config``: a Qwen3 decoder dict from the verifier."""
     hidden = int(verifier["hidden_size"])
     heads = int(verifier["num_attention_heads"])
     kv = int(verifier.get("num_key_value_heads") or heads)
-    head_dim = verifier.get("head_dim")
+    head_dim = verifier_head_dim(verifier)
+    act = args.draft_hidden_act or verifier.get("hidden_act") or verifier.get("hidden_activation")
+    if act != "silu":
+        raise ConfigError(
+            f"draft hidden_act {act!r} (from --draft-hidden-act or the verifier): dspark_jax's "
+            "draft MLP is SiLU only; pass --draft-hidden-act silu"
+        )
     if head_dim and hidden % heads and hidden % head_dim == 0:
         heads = hidden // head_dim
         if heads % kv:
@@ -149,9 +290,6 @@ def derive_decoder(args: TrainArgs, verifier: dict[str, Any]) -> dict[str, Any]:
             "intermediate_size=%d (3 x hidden_size). Pass --draft-config to override.",
             intermediate,
         )
-    rope = verifier.get("rope_parameters") or verifier.get("rope_scaling")
-    if isinstance(rope, dict) and "rope_theta" not in rope:
-        rope = rope.get("sliding_attention") or rope.get("full_attention") or rope or None
     out = {
         "model_type": "qwen3",
         "vocab_size": int(verifier["vocab_size"]),
@@ -167,10 +305,8 @@ def derive_decoder(args: TrainArgs, verifier: dict[str, Any]) -> dict[str, Any]:
         "layer_types": [
             "full_attention" if i in full else "sliding_attention" for i in range(num_layers)
         ],
-        "rope_theta": verifier.get("rope_theta", 10000.0),
+        "rope_parameters": draft_rope_parameters(args, verifier, head_dim or hidden // heads),
     }
-    if isinstance(rope, dict):
-        out["rope_parameters"] = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     return out
 
 
@@ -219,9 +355,6 @@ def load_draft_decoder(path: str, verifier: dict[str, Any]) -> dict[str, Any]:
 
 
 def _decoder_fields(decoder: dict[str, Any], source: str) -> dict[str, Any]:
-    rope = decoder.get("rope_parameters") or decoder.get("rope_scaling") or {}
-    if isinstance(rope, dict) and "mrope_section" in rope:
-        raise ConfigError(f"{source}: MRoPE (mrope_section) is not supported; only default RoPE")
     try:
         return decoder_fields_from_qwen3(decoder, source=source)
     except ValueError as e:
@@ -287,6 +420,30 @@ def resolve_mask_token_id(args: TrainArgs, vocab_size: int) -> int:
     )
 
 
+def resolve_verifier_norm_style(args: TrainArgs, verifier: dict[str, Any]) -> str:
+    """``--verifier-norm-style``, or (``auto``) speculators' choice from the verifier's
+    effective model_type (``x * (1 + w)`` for GEMMA_STYLE_FINAL_NORM_MODEL_TYPES)."""
+    model_type = verifier.get("model_type")
+    derived = verifier_norm_style(model_type)
+    choice = args.verifier_norm_style
+    if choice == "auto":
+        if not model_type:
+            log.warning(
+                "verifier %s: config.json has no model_type; assuming the plain final-norm "
+                "convention (x * w), as speculators does (--verifier-norm-style to override)",
+                args.verifier_name_or_path,
+            )
+        return derived
+    if model_type and choice != derived:
+        log.warning(
+            "--verifier-norm-style %s overrides %s, speculators' choice for model_type %r",
+            choice,
+            derived,
+            model_type,
+        )
+    return choice
+
+
 def _fresh_config(args: TrainArgs, verifier: dict[str, Any], vocab_maps) -> DSparkConfig:
     if args.draft_config:
         decoder, source = (
@@ -310,6 +467,7 @@ def _fresh_config(args: TrainArgs, verifier: dict[str, Any], vocab_maps) -> DSpa
             enable_confidence_head=args.enable_confidence_head,
             confidence_head_with_markov=args.confidence_head_with_markov,
             sliding_window_non_causal=args.sliding_window_non_causal,
+            verifier_norm_style=resolve_verifier_norm_style(args, verifier),
             verifier_name_or_path=args.verifier_name_or_path,
             verifier_architectures=tuple(verifier.get("architectures") or ()),
         )
@@ -402,7 +560,17 @@ def build_draft(args: TrainArgs) -> DraftSetup:
             setup.cfg = setup.cfg.replace(
                 mask_token_id=resolve_mask_token_id(args, setup.cfg.vocab_size)
             )
-        setup.cfg = setup.cfg.replace(verifier_name_or_path=args.verifier_name_or_path)
+        style = resolve_verifier_norm_style(args, verifier)
+        if style != setup.cfg.verifier_norm_style:
+            log.warning(
+                "--from-pretrained drafter records verifier_norm_style=%s; training with %s "
+                "(the verifier's)",
+                setup.cfg.verifier_norm_style,
+                style,
+            )
+        setup.cfg = setup.cfg.replace(
+            verifier_name_or_path=args.verifier_name_or_path, verifier_norm_style=style
+        )
         return setup
     maps = _vocab_maps(args, int(verifier["vocab_size"]))
     cfg = _fresh_config(args, verifier, maps)

@@ -82,7 +82,9 @@ def dry_run(trainer: PlannedRun) -> int:
             f"drafter from {trainer.setup.source}: {cfg.num_hidden_layers} layers, hidden "
             f"{cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x "
             f"{cfg.head_dim}, mlp {cfg.intermediate_size}, layer types "
-            f"{list(cfg.layer_types or [])}, window {cfg.sliding_window}"
+            f"{list(cfg.layer_types or [])}, window {cfg.sliding_window}, rope "
+            f"{cfg.rope_scaling.rope_type} theta {cfg.rope_theta:g}, verifier norm "
+            f"{cfg.verifier_norm_style}"
         ),
         (
             f"vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}, block "

@@ -158,7 +158,9 @@ FLAGS: tuple[Flag, ...] = (
        choices=("llama", "qwen3")),
     _f("draft_hidden_act", "draft", "silu", help="Draft activation (silu only here)."),
     _bool("draft_mrope_full_head_hack", "draft", True,
-          help="MRoPE verifiers only; dspark_jax supports default RoPE, so MRoPE configs fail."),
+          help="MRoPE verifiers with partial_rotary_factor < 1: rescale mrope_section to the "
+          "full head and set partial_rotary_factor 1.0 (the drafter trains text-only, full-head "
+          "RoPE either way; turning it off is refused, as vLLM would then rotate part of it)."),
     _f("target_layer_ids", "draft", None, int, nargs="+",
        help="Verifier layer ids of the aux hidden states (default: the extractor's record in "
        "<hidden states>/extraction_config.json, else [2, n//2, n-3])."),
@@ -339,6 +341,10 @@ FLAGS: tuple[Flag, ...] = (
        "Checkpoints kept (the newest ones; the best validation one is kept as well)."),
     _f("loss_chunk_tokens", "jax", 1024, int,
        "Slots per vocabulary-sized chunk of the loss (memory vs. speed)."),
+    _f("verifier_norm_style", "jax", "auto", choices=("auto", "plain", "gemma"),
+       help="The verifier's final norm for the training targets: plain x * w or gemma "
+       "x * (1 + w); auto: speculators' choice from the verifier config's model_type "
+       "(gemma for gemma/gemma2/gemma3/qwen3_5/recurrent_gemma families)."),
 )
 # fmt: on
 

@@ -279,7 +279,16 @@ ACCEPTED = {
     ),
     "yarn-rope": (
         "full",
-        _tl(_set(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})),
+        _tl(
+            _set(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 16,
+                }
+            )
+        ),
         None,
     ),
     "tie_word_embeddings": (
@@ -323,9 +332,9 @@ def test_what_vllm_accepts_passes(folders, tmp_path, name):
     report = check_folder(folder, verifier=VERIFIER)
     assert report.ok, report.format()
     assert len(report.commands) == 2, report.format()
-    if name == "yarn-rope":
+    if name == "yarn-rope":  # served as configured, and trained the same way here
         assert any("[rope: " in n for n in report.notes)
-        assert any("dspark-jax cannot import" in n for n in report.notes)
+        assert not any("dspark-jax cannot import" in n for n in report.notes)
 
 
 @pytest.mark.parametrize("base", ["full", "reduced", "bonus"])
@@ -495,3 +504,66 @@ def test_cli_check_json(folders, tmp_path):
     assert out.returncode == 1
     assert "FAILED" in out.stdout and "top-level 'model_type'" in out.stdout
     assert "serve with" not in out.stdout
+
+
+def _rope(**kv):
+    return _tl(lambda tl: tl["rope_parameters"].update(kv))
+
+
+LONGROPE = dict(
+    rope_type="longrope",
+    short_factor=[1.0, 1.1, 1.2, 1.3],
+    long_factor=[2.0, 3.0, 4.0, 5.0],
+    original_max_position_embeddings=16,
+)
+
+# rope_parameters as vLLM 0.33's get_rope reads them, against what was trained
+ROPE_BREAKS = {
+    "rope-legacy-type": (_rope(type="default"), r"rope_parameters has the legacy 'type' key"),
+    "rope-untrained-type": (
+        _rope(rope_type="ntk", factor=2.0),
+        r"rope_parameters\.rope_type 'ntk' is not one trained here",
+    ),
+    "yarn-without-factor": (
+        _rope(rope_type="yarn", original_max_position_embeddings=16),
+        r"rope_type 'yarn' needs \['factor'\] \(vLLM's get_rope indexes them\)",
+    ),
+    "longrope-mscale-differs": (
+        _rope(**LONGROPE, short_mscale=1.0),
+        r"vLLM scales cos/sin by short_mscale=1\.0, the drafter was trained with attention "
+        r"scaling [0-9.]+",
+    ),
+    "mrope-section": (
+        _rope(mrope_section=[1, 1, 0]),
+        r"mrope_section \[1, 1, 0\]: vLLM's MRotaryEmbedding needs 2 \* sum = the rotary "
+        r"dims \(8\)",
+    ),
+    "proportional-factor": (
+        _rope(rope_type="proportional", factor=2.0),
+        r"vLLM's Gemma4RotaryEmbedding ignores factor",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_BREAKS))
+def test_rope_parameters_vllm_cannot_serve_as_trained(folders, tmp_path, name):
+    edit, pattern = ROPE_BREAKS[name]
+    folder = _copy(folders, tmp_path, "full", edit, None)
+    report = check_folder(folder, verifier=VERIFIER)
+    assert not report.ok and report.commands == []
+    assert any(re.search(pattern, e) for e in report.errors), report.format()
+
+
+def test_rope_types_that_serve_differently_warn(folders, tmp_path):
+    """Trained as transformers computes them, served by vLLM 0.33 otherwise: a warning."""
+    for name, rope, pattern in (
+        ("dynamic", {"rope_type": "dynamic", "factor": 2.0}, r"vLLM 0\.33 serves dynamic NTK"),
+        ("longrope", LONGROPE, r"vLLM uses long_factor at every position"),
+    ):
+        folder = tmp_path / name
+        shutil.copytree(folders / "full", folder)
+        edit_config(folder, _rope(**rope))
+        report = check_folder(folder)
+        assert report.ok, report.format()
+        assert any(re.search(pattern, w) for w in report.warnings), report.format()
+

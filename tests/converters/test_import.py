@@ -133,6 +133,23 @@ def test_dspark_config_without_sample_from_anchor_is_refused(reduced, tmp_path):
         import_folder(tmp_path / "src", tmp_path / "ck")
 
 
+def test_norm_style_of_a_speculators_folder_comes_from_the_verifier(reduced, tmp_path):
+    """speculators writes no verifier_norm_style: it decides from the verifier's model_type
+    when it loads the folder, and so does the import (a recorded one is kept)."""
+    root, *_ = reduced
+    shutil.copytree(root / "src", tmp_path / "src")
+    shutil.copytree(root / "verifier", tmp_path / "gemma")
+    rewrite(tmp_path / "gemma", config_fn=lambda d: d.update(model_type="gemma3_text"))
+    rewrite(tmp_path / "src", config_fn=lambda d: d.pop("verifier_norm_style"))
+    result = import_folder(tmp_path / "src", tmp_path / "ck", verifier_path=tmp_path / "gemma")
+    assert result.cfg.verifier_norm_style == "gemma"
+    result = import_folder(tmp_path / "src", tmp_path / "ck2")  # org/v: not a local folder
+    assert result.cfg.verifier_norm_style == "plain"
+    rewrite(tmp_path / "src", config_fn=lambda d: d.update(verifier_norm_style="plain"))
+    result = import_folder(tmp_path / "src", tmp_path / "ck3", verifier_path=tmp_path / "gemma")
+    assert result.cfg.verifier_norm_style == "plain"
+
+
 def make_dflash(src, dst):
     """A speculators DFlash folder from a DSpark export: same backbone, no heads."""
     shutil.copytree(src, dst)

@@ -229,3 +229,15 @@ def test_values_without_data_are_null_in_summary_json(random_run, tmp_path):
     )
     assert summary["calibration"]["all"]["sampled"]["uncalibrated"]["summary"]["auroc"] is None
     assert "| train |" in files["markdown"].read_text() and "n/a" in files["markdown"].read_text()
+def test_verifier_norm_follows_the_verifier_unless_told(tmp_path):
+    from tests.tiny_configs import base_config
+
+    with_verifier_norm = dspark_eval.with_verifier_norm
+    cfg = base_config()
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"model_type": "gemma3_text"}})
+    )
+    assert with_verifier_norm(cfg, tmp_path, "auto").verifier_norm_style == "gemma"
+    assert with_verifier_norm(cfg, tmp_path, "plain").verifier_norm_style == "plain"
+    recorded = cfg.replace(verifier_norm_style="gemma")
+    assert with_verifier_norm(recorded, tmp_path / "none", "auto") == recorded  # no config.json

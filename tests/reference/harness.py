@@ -47,12 +47,17 @@ def assert_fp32_parity(ours, ref32, ref64, depth: int, err_msg: str, scale=None)
 
 
 def build_reference_model(
-    cfg: DSparkConfig, params, frozen: FrozenWeights, t2d: np.ndarray | None = None
+    cfg: DSparkConfig,
+    params,
+    frozen: FrozenWeights,
+    t2d: np.ndarray | None = None,
+    ref_config=None,
 ):
-    """A float32 reference model holding our trainable params and frozen tensors."""
+    """A float32 reference model holding our trainable params and frozen tensors
+    (``ref_config``: the reference's own config object; default: ours translated)."""
     from speculators.models.dspark import DSparkDraftModel as RefModel
 
-    model = RefModel(reference_config(cfg)).float()
+    model = RefModel(ref_config if ref_config is not None else reference_config(cfg)).float()
     sd = {k: torch.from_numpy(np.array(v)) for k, v in to_speculators(params).items()}
     sd["embed_tokens.weight"] = torch.from_numpy(np.asarray(frozen.embed_tokens))
     sd["lm_head.weight"] = torch.from_numpy(np.asarray(frozen.lm_head).T.copy())

@@ -249,10 +249,12 @@ def test_speculators_checkpoint_imports_runs_and_reexports_bit_exact(tmp_path, c
         assert mine[k].dtype == theirs[k].dtype, k
         assert mine[k].tobytes() == theirs[k].tobytes(), k
     # Same config, field by field (speculators adds auto_map/transformers_version and
-    # HF defaults inside transformer_layer_config; ours must agree on the rest).
+    # HF defaults inside transformer_layer_config; ours adds its verifier_norm_style
+    # record, which readers ignore; ours must agree on the rest).
     a = json.loads((saved / "config.json").read_text())
     b = json.loads((tmp_path / "out" / "config.json").read_text())
-    for key in set(b) - {"transformer_layer_config", "architectures"}:
+    assert b["verifier_norm_style"] == "plain"
+    for key in set(b) - {"transformer_layer_config", "architectures", "verifier_norm_style"}:
         assert a[key] == b[key], key
     tl_a, tl_b = a["transformer_layer_config"], b["transformer_layer_config"]
     for key in set(tl_b) - {"architectures"}:
