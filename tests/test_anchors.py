@@ -77,11 +77,19 @@ def test_slot_mask_and_indices():
     np.testing.assert_array_equal(m, [1, 1, 1, 1, 1, 0, 0, 0, 0])
     m = A.slot_loss_mask(loss_mask, anchors, valid, 3, sample_from_anchor=False)
     np.testing.assert_array_equal(m, [0, 1, 1, 0, 1, 0, 0, 0, 0])
-    np.testing.assert_array_equal(A.target_indices(anchors, 3, 16, True), [2, 3, 4, 9, 10, 11, 0, 1, 2])
-    np.testing.assert_array_equal(A.target_indices(anchors, 3, 16, False), [1, 2, 3, 8, 9, 10, 15, 0, 1])
+    np.testing.assert_array_equal(
+        A.target_indices(anchors, 3, 16, True), [2, 3, 4, 9, 10, 11, 0, 1, 2]
+    )
+    np.testing.assert_array_equal(
+        A.target_indices(anchors, 3, 16, False), [1, 2, 3, 8, 9, 10, 15, 0, 1]
+    )
     ids = jnp.arange(16) * 10
-    np.testing.assert_array_equal(A.previous_tokens(ids, anchors[:2], 3, True), [[20, 30, 40], [90, 100, 110]])
-    np.testing.assert_array_equal(A.previous_tokens(ids, anchors[:2], 3, False), [[20, 20, 30], [90, 90, 100]])
+    np.testing.assert_array_equal(
+        A.previous_tokens(ids, anchors[:2], 3, True), [[20, 30, 40], [90, 100, 110]]
+    )
+    np.testing.assert_array_equal(
+        A.previous_tokens(ids, anchors[:2], 3, False), [[20, 20, 30], [90, 90, 100]]
+    )
 
 
 def test_rejects_nonpositive_anchor_count():

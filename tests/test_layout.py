@@ -19,9 +19,7 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {
-        module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
-    }
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def imports(path: Path, *, module_level: bool) -> set[str]:
@@ -47,7 +45,7 @@ def test_no_module_level_import_cycles():
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return [*stack[stack.index(n):], n] if n in stack else [m, n]
+                return [*stack[stack.index(n) :], n] if n in stack else [m, n]
             if n not in state:
                 cycle = visit(n, [*stack, n])
                 if cycle:

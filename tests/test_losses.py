@@ -494,9 +494,7 @@ def test_single_term_has_no_per_term_metrics_and_total_is_the_term(oracle):
     w = fixed_exp_decay_weights(jnp.arange(Q) % 8, 4.0, True)
     # Same positive terms (kl >= 0, w > 0) summed in two orders: (Q - 1) u relative each,
     # plus the products, the division and the weights (exp: 4u): rtol 2 (Q + 6) u.
-    np.testing.assert_allclose(
-        loss, jnp.sum(vals["kl_div"] * w) / (Q + 1e-5), rtol=2 * (Q + 6) * U
-    )
+    np.testing.assert_allclose(loss, jnp.sum(vals["kl_div"] * w) / (Q + 1e-5), rtol=2 * (Q + 6) * U)
     assert {f"position_{k}_acc_sum" for k in range(8)} <= set(m)
     _, m = jax.eval_shape(
         lambda v: dspark_loss(

@@ -183,9 +183,7 @@ def test_schedule_points(kind):
     if kind == "cosine":
         # progress 0.25: argument pi / 4 within 0.4u, cos within 1 ulp (2u), 1 + cos (u),
         # lr (2u): 6u -> 8u.
-        np.testing.assert_allclose(
-            at(32.5), lr * 0.5 * (1 + math.cos(math.pi * 0.25)), rtol=8 * U
-        )
+        np.testing.assert_allclose(at(32.5), lr * 0.5 * (1 + math.cos(math.pi * 0.25)), rtol=8 * U)
         # unclamped, like transformers: progress 1.5 -> cos(1.5 pi) = 0 -> half the lr again.
         # The argument 1.5 pi (4.7) is within 2 * 4.7u, |cos'| = 1: cos ~ +-9.4u + 1 ulp,
         # then 1 + cos (u) and lr (2u): 13u -> 16u.
@@ -235,9 +233,7 @@ def test_build_returns_group_schedules():
     )
     assert set(s) == {"muon", "adamw"}
     # End of warmup: cos(0) = 1 exactly, so fp32(lr) * 1: the lr's own rounding, <= u.
-    np.testing.assert_allclose(
-        [float(s["muon"](10)), float(s["adamw"](10))], [1e-2, 1e-3], rtol=U
-    )
+    np.testing.assert_allclose([float(s["muon"](10)), float(s["adamw"](10))], [1e-2, 1e-3], rtol=U)
     _, s = optim.build_optimizer(params, optimizer="muon", lr=4e-3, total_steps=100)
     assert float(s["muon"](50)) == float(s["adamw"](50))  # muon_lr None -> lr: same schedule
     _, s = optim.build_optimizer(params, optimizer="adamw", lr=1e-3, total_steps=100)
@@ -325,6 +321,7 @@ def test_clip_runs_first_over_all_groups():
             assert int(a) == int(b)
         else:
             assert_within(a, b, (2 * d + 8 * U) * np.abs(np.asarray(c)), "optimizer state")
+
     # AdamW updates (fp32): -lr m_hat / (sqrt(v_hat) + eps): the momentum's error as
     # above, plus d + 24u relative from the second moment and ~16 roundings.
     def flat(tree):
@@ -426,6 +423,7 @@ def _ns_scalar_replay(sig, coefficients, steps=5):
     formed exactly, rounded to fp32, then to bf16 (``_addmm_bf16``). float64 holds every
     exact value here (<= 40 significant bits).
     """
+
     def r32(v):
         return np.asarray(v, np.float64).astype(np.float32).astype(np.float64)
 

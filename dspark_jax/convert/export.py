@@ -127,6 +127,8 @@ def fold_temperature(tensors: dict[str, np.ndarray], temperature: float) -> None
     for key in ("confidence_head.proj.weight", "confidence_head.proj.bias"):
         value = np.asarray(tensors[key], np.float64) / float(temperature)
         tensors[key] = np.ascontiguousarray(value.astype(np.float32))
+
+
 def _new_partial_dir(out_dir: Path) -> Path:
     """A fresh sibling folder made by ``mkdir`` (umask mode; ``mkdtemp`` would give 0700)."""
     while True:

@@ -566,4 +566,3 @@ def test_rope_types_that_serve_differently_warn(folders, tmp_path):
         report = check_folder(folder)
         assert report.ok, report.format()
         assert any(re.search(pattern, w) for w in report.warnings), report.format()
-

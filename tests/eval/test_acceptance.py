@@ -208,6 +208,7 @@ def test_free_running_follows_the_drafters_own_tokens(head_type):
         kernel = np.abs(np.asarray(markov.joint_proj.kernel[...])).max()
         F = x_abs * kernel + np.abs(np.asarray(markov.joint_proj.bias[...])).max()
         d_f = 2 * B * (2 * r_ + H + 8) * U * F * np.abs(w2).sum(0).max()
+
     def flat(x):
         return np.asarray(x).reshape(A * B, -1)
 

@@ -114,9 +114,9 @@ def test_exported_head_has_the_calibrated_ece(trained, eval_setup, tmp_path):
     is the calibrated ECE eval reported."""
     ckpt, _ = trained
     out = tmp_path / "eval"
-    cal = dspark_eval.run(
-        _argv(eval_setup, ckpt, out, "--no-plots", datasets=("heldout",))
-    )["calibration"]
+    cal = dspark_eval.run(_argv(eval_setup, ckpt, out, "--no-plots", datasets=("heldout",)))[
+        "calibration"
+    ]
     record = json.loads((out / "calibration.json").read_text())
     t = cal["global_temperature"]["sampled"]
     assert record["rule"] == "sampled" and record["temperature"] == t
@@ -229,6 +229,8 @@ def test_values_without_data_are_null_in_summary_json(random_run, tmp_path):
     )
     assert summary["calibration"]["all"]["sampled"]["uncalibrated"]["summary"]["auroc"] is None
     assert "| train |" in files["markdown"].read_text() and "n/a" in files["markdown"].read_text()
+
+
 def test_verifier_norm_follows_the_verifier_unless_told(tmp_path):
     from tests.tiny_configs import base_config
 

@@ -100,6 +100,8 @@ def test_teacher_forced_acceptance_equals_the_training_metrics(variant):
     assert np.isfinite(fr).all()
     if cfg.markov_head_type == "vanilla":
         bounds = bound.reshape(fr.shape)
-        assert_within(fr[:, : start + 1], tf[:, : start + 1], bounds[:, : start + 1], "slot <= start")
+        assert_within(
+            fr[:, : start + 1], tf[:, : start + 1], bounds[:, : start + 1], "slot <= start"
+        )
     later = np.abs(fr[:, start + 1 :] - tf[:, start + 1 :])
     assert later.max() > 100 * bound.max(), (later.max(), bound.max())

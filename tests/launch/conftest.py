@@ -27,7 +27,8 @@ def _torch_threads():
 @pytest.fixture(scope="session")
 def verifier_path() -> str:
     assert (VERIFIER / "model.safetensors").exists(), (
-        f"{VERIFIER} missing: run python -m launch.train_demo_verifier")
+        f"{VERIFIER} missing: run python -m launch.train_demo_verifier"
+    )
     return str(VERIFIER)
 
 
@@ -66,6 +67,12 @@ def small_prepared(tmp_path_factory, verifier_path):
     root = tmp_path_factory.mktemp("prepared")
     data = write_jsonl(root / "convs.jsonl", demo_conversations(24))
     out = root / "data"
-    prepare(model=verifier_path, data=[str(data)], output=str(out), seq_length=256,
-            num_workers=1, minimum_valid_tokens=4)
+    prepare(
+        model=verifier_path,
+        data=[str(data)],
+        output=str(out),
+        seq_length=256,
+        num_workers=1,
+        minimum_valid_tokens=4,
+    )
     return out

@@ -16,9 +16,27 @@ from .conftest import DEMO_TARGET_LAYERS
 @pytest.fixture(scope="module")
 def extracted(tmp_path_factory, small_prepared, verifier_path):
     out = tmp_path_factory.mktemp("hs") / "hidden_states"
-    assert main(["--backend", "hf", "--model", verifier_path, "--preprocessed-data",
-                 str(small_prepared), "--output", str(out), "--target-layer-ids",
-                 *map(str, DEMO_TARGET_LAYERS), "--device", "cpu", "--batch-size", "4"]) == 0
+    assert (
+        main(
+            [
+                "--backend",
+                "hf",
+                "--model",
+                verifier_path,
+                "--preprocessed-data",
+                str(small_prepared),
+                "--output",
+                str(out),
+                "--target-layer-ids",
+                *map(str, DEMO_TARGET_LAYERS),
+                "--device",
+                "cpu",
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -39,8 +57,12 @@ def test_speculators_arrowdataset_reads_our_files(small_prepared, extracted, ext
     assert get_existing_hidden_state_indices(extracted) == list(range(n))
     assert find_corrupt_hidden_state_indices(extracted, list(range(n))) == {}
 
-    ds = ArrowDataset(max_len=2048, datapath=str(small_prepared),
-                      transfer=FileTransfer(extracted), on_missing="raise")
+    ds = ArrowDataset(
+        max_len=2048,
+        datapath=str(small_prepared),
+        transfer=FileTransfer(extracted),
+        on_missing="raise",
+    )
     assert len(ds) == n
     n_aux, H = len(DEMO_TARGET_LAYERS), extractor.hidden_size
     items = []
@@ -58,8 +80,9 @@ def test_speculators_arrowdataset_reads_our_files(small_prepared, extracted, ext
         assert item["loss_mask"].tolist() == rows[i]["loss_mask"]
         # layer-major flattening: aux slot j occupies columns [j*H, (j+1)*H)
         for j in range(n_aux):
-            assert torch.equal(item["hidden_states"][:, j * H : (j + 1) * H],
-                               f["hidden_states"][:, j])
+            assert torch.equal(
+                item["hidden_states"][:, j * H : (j + 1) * H], f["hidden_states"][:, j]
+            )
         items.append(item)
 
     batch = CollateFn(max_len=1024, hidden_size=H, num_target_layers=n_aux)(items[:3])
@@ -83,10 +106,16 @@ def test_dspark_jax_readers_agree(small_prepared, extracted, extractor):
         assert prep.loss_mask(i).tolist() == rows[i]["loss_mask"]
         assert int(prep.seq_len[i]) == rows[i]["seq_len"]
         hs = files.read_hidden_states(
-            hs_names.hs_path(extracted, i), row=i, input_ids=ids, n_aux=len(DEMO_TARGET_LAYERS),
-            hidden_size=extractor.hidden_size, dtype=np.dtype(ml_dtypes.bfloat16))
+            hs_names.hs_path(extracted, i),
+            row=i,
+            input_ids=ids,
+            n_aux=len(DEMO_TARGET_LAYERS),
+            hidden_size=extractor.hidden_size,
+            dtype=np.dtype(ml_dtypes.bfloat16),
+        )
         ours = load_file(extracted / f"hs_{i}.safetensors")["hidden_states"]
         assert hs.values.shape == tuple(ours.shape)
         # bit-identical bf16
-        assert np.array_equal(hs.values.view(np.uint16), ours.view(torch.int16).numpy().view(
-            np.uint16))
+        assert np.array_equal(
+            hs.values.view(np.uint16), ours.view(torch.int16).numpy().view(np.uint16)
+        )

@@ -48,15 +48,30 @@ def _row(seed=0, dtype=jnp.float32):
 def _efficient(W, causal, tiled=True):
     """Jitted memory-efficient attention; tiled=False keeps the default group/chunk sizes."""
     kw = dict(q_block_group=G, kv_chunk=C) if tiled else {}
-    return jax.jit(lambda q, kc, vc, kb, vb, anc, doc: att.anchored_block_attention(
-        q, kc, vc, kb, vb, anc, doc, block_size=B, sliding_window=W, causal_in_block=causal,
-        **kw))
+    return jax.jit(
+        lambda q, kc, vc, kb, vb, anc, doc: att.anchored_block_attention(
+            q,
+            kc,
+            vc,
+            kb,
+            vb,
+            anc,
+            doc,
+            block_size=B,
+            sliding_window=W,
+            causal_in_block=causal,
+            **kw,
+        )
+    )
 
 
 @functools.cache
 def _dense(W, causal):
-    return jax.jit(lambda q, kc, vc, kb, vb, anc, doc: att.dense_anchored_block_attention(
-        q, kc, vc, kb, vb, anc, doc, block_size=B, sliding_window=W, causal_in_block=causal))
+    return jax.jit(
+        lambda q, kc, vc, kb, vb, anc, doc: att.dense_anchored_block_attention(
+            q, kc, vc, kb, vb, anc, doc, block_size=B, sliding_window=W, causal_in_block=causal
+        )
+    )
 
 
 def _vg(f, xs, anc, doc, cot):
@@ -93,8 +108,11 @@ def _bounds(xs, anc, doc, cot, W, causal, rel=0.0):
     """
     q, kc, vc, kb, vb = (np.asarray(x, np.float64) for x in xs)
     do = np.asarray(cot, np.float64)
-    mask = np.asarray(att.dense_anchored_block_mask(
-        anc, doc, block_size=B, sliding_window=W, causal_in_block=causal))  # [Q, S + Q]
+    mask = np.asarray(
+        att.dense_anchored_block_mask(
+            anc, doc, block_size=B, sliding_window=W, causal_in_block=causal
+        )
+    )  # [Q, S + Q]
     rep = NH // NKV
     k = np.repeat(np.concatenate([kc, kb]), rep, axis=1)  # [S + Q, Nh, D]
     v = np.repeat(np.concatenate([vc, vb]), rep, axis=1)
@@ -116,8 +134,10 @@ def _bounds(xs, anc, doc, cot, W, causal, rel=0.0):
     out = (k_sum * U + rel) * o_abs + 2 * (D + 2) * U * o_soft
     # Gradients: dP = dO . v, delta = dO . o, dS = P (dP - delta), dq = scale dS k,
     # dk = scale dS^T q, dv = P^T dO; |dS| <= P (|dO| . |v| + |dO| . |o|).
-    ds_abs = p * (np.einsum("qhd,khd->hqk", np.abs(do), np.abs(v))
-                  + np.einsum("qhd,qhd->hq", np.abs(do), np.abs(o))[:, :, None])
+    ds_abs = p * (
+        np.einsum("qhd,khd->hqk", np.abs(do), np.abs(v))
+        + np.einsum("qhd,qhd->hq", np.abs(do), np.abs(o))[:, :, None]
+    )
     dq_abs = np.einsum("hqk,khd->qhd", ds_abs, np.abs(k)) * scale
     dk_abs = np.einsum("hqk,qhd->khd", ds_abs, np.abs(q)) * scale
     dv_abs = np.einsum("hqk,qhd->khd", p, np.abs(do))
@@ -197,8 +217,12 @@ def test_vmap_jit_and_lax_map_match_per_row():
 
 def test_group_chunk_ranges_hand_case():
     anc, doc = jnp.asarray(ANCHORS, jnp.int32), _doc_ids(LENGTHS, N_PAD)
-    r = lambda W: att.group_chunk_ranges(anc, doc, sliding_window=W, q_block_group=G,  # noqa
-                                         kv_chunk=C).tolist()
+
+    def r(W):
+        return att.group_chunk_ranges(
+            anc, doc, sliding_window=W, q_block_group=G, kv_chunk=C
+        ).tolist()
+
     # Group 0 (anchors 3, 10, 12): docs 0 (+ 12 opens doc 1: empty) -> columns [0, 10).
     # Group 1 (19, 34, 35): full -> [12 (doc 1 start), 35); W=3 -> [16, 35).
     # Group 2 (0, 0, pad): nothing. Full attention reads 2 + 4 = 6 of 3 x 6 chunk tiles.
@@ -210,9 +234,11 @@ def test_group_chunk_ranges_hand_case():
 def _ranges_and_ctx_mask(W):
     def f(anc, doc):
         ranges = att.group_chunk_ranges(anc, doc, sliding_window=W, q_block_group=G, kv_chunk=C)
-        mask = att.dense_anchored_block_mask(anc, doc, block_size=B, sliding_window=W,
-                                             causal_in_block=False)
+        mask = att.dense_anchored_block_mask(
+            anc, doc, block_size=B, sliding_window=W, causal_in_block=False
+        )
         return ranges, mask[:, : doc.shape[0]]
+
     return jax.jit(f)
 
 
@@ -220,7 +246,7 @@ def _random_row(r, S=40, A=7):
     """Random packed row like the data pipeline's: docs, -1 tail, select_anchors layout."""
     doc, start = np.full(S, -1, np.int32), 0
     for i, n in enumerate(r.integers(1, 15, r.integers(1, 5))):
-        doc[start:start + n], start = i, min(start + n, S)
+        doc[start : start + n], start = i, min(start + n, S)
     valid = np.flatnonzero(doc >= 0)
     valid = valid[valid < S - B]
     k = min(int(r.integers(0, A + 1)), len(valid))
@@ -238,7 +264,7 @@ def test_group_chunk_ranges_cover_dense_mask():
     for W, anc, doc in cases:
         ranges, mask = map(np.asarray, _ranges_and_ctx_mask(W)(anc, doc))
         for g, (first, last) in enumerate(ranges):
-            cols = np.flatnonzero(mask[g * G * B:(g + 1) * G * B].any(0))
+            cols = np.flatnonzero(mask[g * G * B : (g + 1) * G * B].any(0))
             if cols.size == 0:
                 assert first == last == 0, (g, W, anc, doc)
             else:  # covering, and tight: both end chunks hold visible columns
@@ -282,24 +308,37 @@ def test_oracle_matches_reference(W, non_causal):
     S = doc.shape[0]
     causal = W is not None and not non_causal  # the reference's rule for causal_in_block
     mask_mod, q_len, kv_len = create_anchor_block_mask_mod(
-        torch.tensor(np.asarray(doc), dtype=torch.long), S,
-        torch.tensor(np.asarray(anc), dtype=torch.long), B,
-        sliding_window=W, sliding_window_non_causal=non_causal)
+        torch.tensor(np.asarray(doc), dtype=torch.long),
+        S,
+        torch.tensor(np.asarray(anc), dtype=torch.long),
+        B,
+        sliding_window=W,
+        sliding_window_non_causal=non_causal,
+    )
     ref_mask = create_mask(mask_mod, None, None, q_len, kv_len, device="cpu")[0, 0].numpy()
-    ours = np.asarray(att.dense_anchored_block_mask(anc, doc, block_size=B, sliding_window=W,
-                                                    causal_in_block=causal))
+    ours = np.asarray(
+        att.dense_anchored_block_mask(
+            anc, doc, block_size=B, sliding_window=W, causal_in_block=causal
+        )
+    )
     np.testing.assert_array_equal(ours, ref_mask)
 
     # The reference's eager path: float mask + transformers' Qwen3 eager_attention_forward.
-    float_mask = create_float_mask(mask_mod, None, None, q_len, kv_len, device="cpu",
-                                   dtype=torch.float32)
+    float_mask = create_float_mask(
+        mask_mod, None, None, q_len, kv_len, device="cpu", dtype=torch.float32
+    )
     t = lambda x: torch.tensor(np.asarray(x)).transpose(0, 1)[None]  # noqa: E731  [1, H, T, D]
     q, kc, vc, kb, vb = xs
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = NH // NKV, False
-    ref_out, _ = eager_attention_forward(module, t(q), torch.cat([t(kc), t(kb)], 2),
-                                         torch.cat([t(vc), t(vb)], 2), float_mask,
-                                         scaling=D**-0.5)
+    ref_out, _ = eager_attention_forward(
+        module,
+        t(q),
+        torch.cat([t(kc), t(kb)], 2),
+        torch.cat([t(vc), t(vb)], 2),
+        float_mask,
+        scaling=D**-0.5,
+    )
     ref_out = ref_out[0].numpy()  # [Q, Nh, D]
     # Ours (dense and efficient) and torch's eager softmax are fp32 evaluations of the same
     # sums in other orders: the elementwise round-off bound of two such sides (_bounds).

@@ -49,11 +49,17 @@ def random_batch(rng, cfg: DSparkConfig, rows: int, seq: int) -> dict[str, jax.A
     h = cfg.hidden_size
     docs = [seq // 2, seq // 3]
     pos = np.concatenate([np.arange(n) for n in docs] + [np.zeros(seq - sum(docs), int)])
-    doc = np.concatenate([np.full(n, i) for i, n in enumerate(docs)] + [np.full(seq - sum(docs), -1)])
+    doc = np.concatenate(
+        [np.full(n, i) for i, n in enumerate(docs)] + [np.full(seq - sum(docs), -1)]
+    )
     loss_mask = (rng.random((rows, seq)) < 0.7).astype(np.int32) * (doc >= 0)
     return {
-        "hidden_states": jnp.asarray(rng.standard_normal((rows, seq, cfg.num_aux_layers * h)), jnp.float32),
-        "verifier_last_hidden_states": jnp.asarray(rng.standard_normal((rows, seq, h)), jnp.float32),
+        "hidden_states": jnp.asarray(
+            rng.standard_normal((rows, seq, cfg.num_aux_layers * h)), jnp.float32
+        ),
+        "verifier_last_hidden_states": jnp.asarray(
+            rng.standard_normal((rows, seq, h)), jnp.float32
+        ),
         "input_ids": jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (rows, seq)), jnp.int32),
         "loss_mask": jnp.asarray(loss_mask, jnp.int32),
         "position_ids": jnp.asarray(np.tile(pos, (rows, 1)), jnp.int32),
@@ -217,10 +223,16 @@ def test_config_mismatch_raises_with_field_and_shapes():
     model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, remat=False)
     bad = dict(row, hidden_states=row["hidden_states"][:, : cfg.hidden_size])
     anchors = jnp.zeros(4, jnp.int32)
-    with pytest.raises(ValueError, match=r"row\['hidden_states'\]: expected shape \(48, 64\).*got \(48, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"row\['hidden_states'\]: expected shape \(48, 64\).*got \(48, 32\)"
+    ):
         model(bad, anchors, frozen)
-    with pytest.raises(ValueError, match=r"row\['input_ids'\]: expected an integer dtype, got float32"):
+    with pytest.raises(
+        ValueError, match=r"row\['input_ids'\]: expected an integer dtype, got float32"
+    ):
         model(dict(row, input_ids=row["input_ids"].astype(jnp.float32)), anchors, frozen)
     wrong = dataclasses.replace(cfg, draft_vocab_size=40)
-    with pytest.raises(ValueError, match=r"FrozenWeights.lm_head: expected shape \(32, 40\), got \(32, 96\)"):
+    with pytest.raises(
+        ValueError, match=r"FrozenWeights.lm_head: expected shape \(32, 40\), got \(32, 96\)"
+    ):
         frozen.check(wrong)

@@ -58,7 +58,9 @@ class LookupExtractor:
         out = []
         for r in rows:
             h = self.table[tuple(int(t) for t in r)]
-            out.append(torch.from_numpy(np.ascontiguousarray(h).view(np.int16)).view(torch.bfloat16))
+            out.append(
+                torch.from_numpy(np.ascontiguousarray(h).view(np.int16)).view(torch.bfloat16)
+            )
         return out
 
 
@@ -101,7 +103,9 @@ class FaultyServer(HiddenStatesServer):
             time.sleep(self.slow_seconds)
         status, payload = super().complete(body)
         if status == 200 and self._take("mismatch", row):
-            payload["choices"][0]["prompt_token_ids"] = payload["choices"][0]["prompt_token_ids"][:-1]
+            payload["choices"][0]["prompt_token_ids"] = payload["choices"][0]["prompt_token_ids"][
+                :-1
+            ]
         if status == 200 and self._take("corrupt", row):
             handle = payload["kv_transfer_params"]["handle"]
             key = handle if handle in self.store.objects else f"{handle}:hidden_states"

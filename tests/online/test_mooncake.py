@@ -33,7 +33,10 @@ def test_round_trip_then_delete_leaves_the_store_empty(store, fmt):
     mc = MooncakeHiddenStates(store)
     params = getattr(mc, f"put_{fmt}")("cmpl-1", hs, tok)
     if fmt == "packed":
-        assert params["version"] == 1 and params["tensors"]["hidden_states"]["dtype"] == "torch.bfloat16"
+        assert (
+            params["version"] == 1
+            and params["tensors"]["hidden_states"]["dtype"] == "torch.bfloat16"
+        )
         assert params["tensors"]["token_ids"]["offset"] % 64 == 0
         assert set(store.objects) == {"cmpl-1"}
     else:
@@ -64,7 +67,10 @@ def test_per_tensor_crc_mismatch_is_detected(store):
         (lambda m: m.update(version=2), "manifest version 2"),
         (lambda m: m["metadata"].update(total_aligned_bytes=64), "has .* bytes, expected 64"),
         (lambda m: m["tensors"]["hidden_states"].update(nbytes=8), "out of bounds"),
-        (lambda m: m["tensors"]["hidden_states"].update(dtype="torch.complex32"), "unknown tensor dtype"),
+        (
+            lambda m: m["tensors"]["hidden_states"].update(dtype="torch.complex32"),
+            "unknown tensor dtype",
+        ),
         (lambda m: m["tensors"].pop("token_ids"), "lacks \\['token_ids'\\]"),
     ],
 )
@@ -97,7 +103,9 @@ def test_waits_for_a_late_put_and_times_out_on_none(store):
     t0 = time.monotonic()
     got, _ = MooncakeHiddenStates(store, poll_interval=0.01).get(manifest, timeout=5)
     assert 0.15 < time.monotonic() - t0 < 4 and got.shape == hs.shape
-    with pytest.raises(MooncakeError, match="timed out after 0.2s waiting for Mooncake key 'never:meta'"):
+    with pytest.raises(
+        MooncakeError, match="timed out after 0.2s waiting for Mooncake key 'never:meta'"
+    ):
         MooncakeHiddenStates(store).get({"handle": "never"}, timeout=0.2)
 
 

@@ -170,7 +170,9 @@ def test_a_sample_failing_every_round_trip_is_dropped_and_counted(data, tmp_path
     assert_same(got, want)
     assert sum(int(b["error_records"].sum()) for b in got) == 1
     assert srv.requests[9] == 3 and online.stats.dropped == 1
-    assert "dataset row 9 failed 3 time(s), sample dropped (consecutive failures 1/5)" in caplog.text
+    assert (
+        "dataset row 9 failed 3 time(s), sample dropped (consecutive failures 1/5)" in caplog.text
+    )
     assert list((tmp_path / "staging").iterdir()) == []
 
 

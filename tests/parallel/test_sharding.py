@@ -49,13 +49,17 @@ def test_sharded_loss_and_grads_equal_single_device():
 
     mesh = parallel.make_mesh("data=2,fsdp=2,tensor=2")
     p_sh = parallel.state_shardings(params, mesh)
-    assert p_sh["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value().spec == P("fsdp", "tensor")
+    assert p_sh["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value().spec == P(
+        "fsdp", "tensor"
+    )
     assert p_sh["layers"][0]["mlp"]["down_proj"]["kernel"].get_value().spec == P("tensor", "fsdp")
     params8 = jax.device_put(params, p_sh)
     frozen8 = jax.device_put(frozen, parallel.frozen_shardings(frozen, mesh))
     batch8 = parallel.global_batch({k: np.asarray(v) for k, v in batch.items()}, mesh)
     assert batch8["input_ids"].sharding.spec == P(("data", "fsdp"), None)
-    (l8, m8), g8 = jax.jit(loss_and_grads, out_shardings=(None, p_sh))(params8, frozen8, batch8, key)
+    (l8, m8), g8 = jax.jit(loss_and_grads, out_shardings=(None, p_sh))(
+        params8, frozen8, batch8, key
+    )
 
     # Sharded vs one device: the same fp32 sums split over devices and re-added, i.e. in
     # other orders. Loss: the backward-error model of tests.numerics.model_roundoff.
@@ -93,4 +97,3 @@ def test_sharded_loss_and_grads_equal_single_device():
         bound = 2 * (DRAFTER_DEPTH + 12) * U * np.linalg.norm(mean_abs)
         assert diff <= bound, (path, diff, bound)
     assert g8["fc"]["kernel"][...].sharding.spec == P(None, "fsdp")
-

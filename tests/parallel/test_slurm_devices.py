@@ -20,8 +20,14 @@ from dspark_jax.parallel import slurm_local_device_ids
         ({"SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "0"}, None),
         ({"SLURM_NTASKS_PER_NODE": "1"}, None),
         # the user's explicit choice wins
-        ({"SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "0,1", "JAX_LOCAL_DEVICE_IDS": "0"},
-         None),
+        (
+            {
+                "SLURM_NTASKS_PER_NODE": "1",
+                "CUDA_VISIBLE_DEVICES": "0,1",
+                "JAX_LOCAL_DEVICE_IDS": "0",
+            },
+            None,
+        ),
     ],
 )
 def test_slurm_local_device_ids(env, ids):

@@ -77,6 +77,7 @@ def run_reference_both(folder, row, anchors, valid):
 
 def frozen_from(verifier, t2d):
     vt = load_verifier_tensors(verifier, t2d)
+
     def f32(x):
         return jnp.asarray(np.asarray(x, np.float32))
 

@@ -155,7 +155,9 @@ def test_drafter_matches_reference(case):
     model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, remat=False)
     # Perturb norms and biases off their init so their gradients and roles are tested.
     params = nnx.state(model, nnx.Param)
-    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), params)
+    params = jax.tree.map(
+        lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), params
+    )
     nnx.update(model, params)
 
     ref_model = build_reference_model(cfg, nnx.state(model, nnx.Param), frozen, t2d)
@@ -175,7 +177,9 @@ def test_drafter_matches_reference(case):
     settings = LossSettings.from_loss_fn(
         loss_fn, num_anchors=num_anchors, per_position_loss_weight=weighting, vocab_chunk_tokens=12
     )
-    jrow = {k: jnp.asarray(v.astype(np.int32) if v.dtype == np.int64 else v) for k, v in row.items()}
+    jrow = {
+        k: jnp.asarray(v.astype(np.int32) if v.dtype == np.int64 else v) for k, v in row.items()
+    }
     jfrozen = FrozenWeights(*(jnp.asarray(x) for x in frozen))
     ja, jv = jnp.asarray(anchors, jnp.int32), jnp.asarray(valid)
 

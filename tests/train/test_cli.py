@@ -123,9 +123,7 @@ def test_seed_command_parses_and_dry_runs(k3, tmp_path, capsys):
     assert "vLLM check: ok" in out
 
 
-def test_on_missing_generate_without_an_extractor_stops_at_the_first_missing_file(
-    tmp_path, capsys
-):
+def test_on_missing_generate_without_an_extractor_stops_at_the_first_missing_file(tmp_path, capsys):
     data = make_tiny_data(tmp_path / "d", n_docs=20, max_len=20)
     (data.hs_path / "hs_3.safetensors").unlink()
     verifier = write_verifier(tmp_path / "v")
