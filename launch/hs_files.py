@@ -287,10 +287,6 @@ def resolve_layer_ids(
             f"with {n} decoder layers"
             + ("" if explicit else "; pass --target-layer-ids explicitly")
         )
-    if ids != sorted(ids):
-        # vLLM's extractor and server sort the aux layers; an HF file in another order
-        # would disagree with them.
-        raise ValueError(f"--target-layer-ids {ids} must be ascending (vLLM sorts them)")
     if include_last_layer and n not in ids:
         ids.append(n)
     if ids != sorted(ids):

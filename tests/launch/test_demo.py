@@ -107,8 +107,9 @@ if module == "launch.extract_hidden_states":
 elif module == "dspark_jax.train":
     touch(pathlib.Path(os.environ["FAKE_SAVE_PATH"]) / "run.yaml")  # written at start
     sys.exit(int(os.environ["FAKE_TRAIN_RC"]))
-elif module == "converters":
+elif module == "converters" and args[2] == "export":
     touch(pathlib.Path(args[4]) / "config.json")
+    touch(pathlib.Path(args[4]) / "README.md", "the card")
 elif module == "dspark_jax.eval":
     touch(opt("--output-dir") / "summary.json")
     touch(opt("--output-dir") / "acceptance.md", "the table")
@@ -117,7 +118,7 @@ elif module == "dspark_jax.eval":
 
 def test_make_demo_never_exports_an_unfinished_training(tmp_path):
     """Issue 18.5: the trainer exits 143 on SIGTERM; make stops there, and the next
-    `make demo` trains again (resumes) before exporting and evaluating."""
+    `make demo` trains again (resumes) before evaluating and exporting."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
@@ -137,7 +138,10 @@ def test_make_demo_never_exports_an_unfinished_training(tmp_path):
     second = make(0)
     assert second.returncode == 0, second.stderr
     calls = log.read_text().split()
-    assert calls.count("dspark_jax.train") == 2 and calls[-1] == "dspark_jax.eval"
-    assert calls[calls.index("converters") - 1] == "dspark_jax.train"
+    assert calls.count("dspark_jax.train") == 2
+    # train, then eval (the calibration the export folds in), then export and check
+    last_train = len(calls) - 1 - calls[::-1].index("dspark_jax.train")
+    assert last_train < calls.index("dspark_jax.eval") < calls.index("converters")
+    assert calls[-3:] == ["dspark_jax.eval", "converters", "converters"]
     assert (demo / "checkpoints" / "training_complete").exists()
-    assert "the table" in second.stdout
+    assert "the card" in second.stdout

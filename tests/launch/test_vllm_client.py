@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import socket
 import sys
@@ -328,15 +329,18 @@ def test_float32_config_and_unsorted_ids_through_launched_server(
         assert torch.equal(hs, torch.from_numpy(want.view(np.int16)).view(torch.bfloat16))
 
 
-def test_mla_verifier_refused_before_any_server(tmp_path, small_prepared, monkeypatch):
-    """vLLM's file connector refuses MLA verifiers once loaded; we refuse up front."""
+def test_mla_verifier_refused_before_any_server(tmp_path, small_prepared, monkeypatch, capsys):
+    """vLLM's file connector refuses MLA verifiers once loaded; we refuse up front, with
+    one line (the command-line guard) and nothing written."""
     monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 8, "kv_lora_rank": 512}
     (tmp_path / "config.json").write_text(json.dumps(config))
     argv = ["--backend", "vllm", "--model", str(tmp_path), "--preprocessed-data"]
     argv += [str(small_prepared), "--output", str(tmp_path / "hs"), "--dry-run"]
-    with pytest.raises(ValueError, match="MLA verifier.*Mooncake"):
-        ehs.main(argv)
+    assert ehs.main(argv) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"^error: .*MLA verifier.*Mooncake", last), last
+    assert not (tmp_path / "hs").exists()
 
 
 def test_stand_in_captures_layers_ascending(tmp_path, verifier_path, rows):
