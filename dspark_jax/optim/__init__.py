@@ -82,10 +82,22 @@ Usage (both forms are tested)::
 reference logs as ``lr`` for that step).
 """
 
-from dspark_jax.optim.adamw import TorchAdamState, scale_by_torch_adam, torch_adamw
+from dspark_jax.optim.adamw import (
+    ADAMW_BETAS,
+    ADAMW_EPS,
+    TorchAdamState,
+    scale_by_torch_adam,
+    torch_adamw,
+)
 from dspark_jax.optim.build import CLI_DEFAULTS, build_optimizer, build_optimizer_from_flags
-from dspark_jax.optim.clipping import clip_by_global_norm_torch, global_grad_norm
+from dspark_jax.optim.clipping import (
+    CLIP_EPS,
+    MAX_GRAD_NORM,
+    clip_by_global_norm_torch,
+    global_grad_norm,
+)
 from dspark_jax.optim.muon import (
+    MUON_NESTEROV,
     TorchMuonState,
     muon_lr_ratio,
     orthogonalize_leaves,
@@ -93,7 +105,7 @@ from dspark_jax.optim.muon import (
     scale_by_torch_muon,
     torch_muon,
 )
-from dspark_jax.optim.newton_schulz import newton_schulz_torch
+from dspark_jax.optim.newton_schulz import MUON_EPS, MUON_NS_COEFFICIENTS, newton_schulz_torch
 from dspark_jax.optim.partition import (
     ADAMW_NAME_HINTS,
     is_muon_param,
@@ -108,7 +120,14 @@ from dspark_jax.optim.schedules import (
 )
 
 __all__ = [
+    "ADAMW_BETAS",
+    "ADAMW_EPS",
     "ADAMW_NAME_HINTS",
+    "CLIP_EPS",
+    "MAX_GRAD_NORM",
+    "MUON_EPS",
+    "MUON_NESTEROV",
+    "MUON_NS_COEFFICIENTS",
     "CLI_DEFAULTS",
     "TorchAdamState",
     "TorchMuonState",

@@ -49,6 +49,7 @@ from flax import nnx  # noqa: E402
 from dspark_jax import optim  # noqa: E402
 from dspark_jax.model.draft import DSparkDraftModel  # noqa: E402
 from dspark_jax.model.params import leaf_key, to_speculators  # noqa: E402
+from dspark_jax.optim import muon  # noqa: E402
 from tests.reference.harness import build_reference_model  # noqa: E402
 from tests.reference.test_model_parity import base_config, make_frozen  # noqa: E402
 
@@ -163,7 +164,7 @@ def _torch_ns(exact: bool):
 def _our_exact_ns():
     """Replace our NS by the float64 ``_ns64`` (host callback); record its static args
     (at trace time) and its inputs (wide orientation, in call order)."""
-    real = optim.newton_schulz_torch
+    real = muon.newton_schulz_torch  # the name the Muon transform calls
     args: list[tuple] = []
     inputs: list[np.ndarray] = []
 
@@ -177,11 +178,11 @@ def _our_exact_ns():
 
         return jax.pure_callback(host, jax.ShapeDtypeStruct(w.shape, jnp.float32), w)
 
-    optim.newton_schulz_torch = ns
+    muon.newton_schulz_torch = ns
     try:
         yield args, inputs
     finally:
-        optim.newton_schulz_torch = real
+        muon.newton_schulz_torch = real
 
 
 def _run_reference(ref, flags: dict, grads_seq):
