@@ -68,7 +68,12 @@ def test_file_connector_refused_for_mla_verifier(tmp_path, capsys, monkeypatch):
     assert main([mla, "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("launch_vllm: error: ") and "mooncake" in err[0]
-    pytest.importorskip("hs_connectors")
+
+
+@pytest.mark.reference  # the Mooncake backend and its flags come from hs_connectors
+def test_mooncake_connector_accepted_for_mla_verifier(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    mla = _verifier(tmp_path, model_type="deepseek_v3", kv_lora_rank=512, q_lora_rank=1536)
     cmd, _ = build([mla, "--hidden-states-backend", "mooncake"])  # the alternative is accepted
     kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
     assert kv["kv_connector"] == "MooncakeHiddenStatesConnector"
