@@ -191,21 +191,10 @@ def make_batches(
 
 
 def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Summary) -> None:
-    import torch
 
     from launch.hf_extract import HFExtractor
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ex = HFExtractor(
-        args.model,
-        args.target_layer_ids,
-        include_last_layer=args.include_last_layer,
-        dtype=args.dtype,
-        compute_capability=args.compute_capability,
-        device=args.device,
-        trust_remote_code=args.trust_remote_code,
-    )
+    ex = HFExtractor.from_args(args)
     write_or_check_config(
         out_dir,
         {

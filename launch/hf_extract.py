@@ -59,6 +59,22 @@ def check_loading_info(model: str, info: dict) -> None:
 
 
 class HFExtractor:
+    @classmethod
+    def from_args(cls, args) -> HFExtractor:
+        """The extractor the CLIs' shared flags ask for (extract_hidden_states and
+        serve_hidden_states), ``--threads`` applied to this process."""
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return cls(
+            args.model,
+            args.target_layer_ids,
+            include_last_layer=args.include_last_layer,
+            dtype=args.dtype,
+            compute_capability=args.compute_capability,
+            device=args.device,
+            trust_remote_code=args.trust_remote_code,
+        )
+
     def __init__(
         self,
         model: str,

@@ -721,17 +721,7 @@ def build_publisher(args: argparse.Namespace) -> Publisher:
 def build_server(args: argparse.Namespace) -> HiddenStatesServer:
     from launch.hf_extract import HFExtractor
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    extractor = HFExtractor(
-        args.model,
-        args.target_layer_ids,
-        include_last_layer=args.include_last_layer,
-        dtype=args.dtype,
-        compute_capability=args.compute_capability,
-        device=args.device,
-        trust_remote_code=args.trust_remote_code,
-    )
+    extractor = HFExtractor.from_args(args)
     tokenizer = None
     try:
         from transformers import AutoTokenizer
