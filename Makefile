@@ -13,14 +13,24 @@ DEMO_VERIFIER_NAME ?= dspark-jax/demo-verifier
 demo: $(DEMO)/export/README.md
 	@cat $(DEMO)/export/README.md
 
+# 0. On a fresh clone: a venv with what the demo needs (the CPU torch first, as .ci/run
+# installs it; the tests need more: .ci/run). Skipped when PY names another python.
+ifeq ($(PY),.venv/bin/python)
+$(PY):
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[extract]"
+endif
+
 # 1. Prepared rows + hidden states (PyTorch side, HF transformers on CPU).
-$(DEMO)/data/hidden_states/extraction_config.json:
+$(DEMO)/data/hidden_states/extraction_config.json: | $(PY)
 	$(PY) -m launch.prepare_data --model $(VERIFIER) --data configs/demo/conversations.jsonl \
 		--output $(DEMO)/data --seq-length 1024 --minimum-valid-tokens 16 --draft-vocab-size 2048
 	$(PY) -m launch.extract_hidden_states --backend hf --model $(VERIFIER) \
 		--preprocessed-data $(DEMO)/data --target-layer-ids 1 2 3
 
-$(DEMO)/heldout/hidden_states/extraction_config.json:
+$(DEMO)/heldout/hidden_states/extraction_config.json: | $(PY)
 	$(PY) -m launch.prepare_data --model $(VERIFIER) --data configs/demo/conversations_heldout.jsonl \
 		--output $(DEMO)/heldout --seq-length 1024 --minimum-valid-tokens 16
 	$(PY) -m launch.extract_hidden_states --backend hf --model $(VERIFIER) \

@@ -48,6 +48,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from launch.hf_extract import add_compute_dtype  # noqa: E402
 from launch.hs_files import (  # noqa: E402
     HiddenStatesError,
     existing_indices,
@@ -202,6 +203,7 @@ def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Sum
             "num_hidden_layers": ex.num_hidden_layers,
             "hidden_size": ex.hidden_size,
             "dtype": ex.dtype_name,
+            "compute_dtype": ex.compute_dtype_name,
             "model": args.model,
             "backend": "hf",
         },
@@ -216,7 +218,11 @@ def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Sum
         summary=summary,
     )
     log.info(
-        "hf backend: %s, layers %s, %d rows to extract", ex.dtype_name, ex.layer_ids, len(todo)
+        "hf backend: computes in %s, stores %s, layers %s, %d rows to extract",
+        ex.compute_dtype_name,
+        ex.dtype_name,
+        ex.layer_ids,
+        len(todo),
     )
     with _progress(len(todo), "extract (hf)") as bar:
         for batch in make_batches(todo, rows.lengths, args.batch_size, args.max_tokens_per_batch):
@@ -487,6 +493,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g = ap.add_argument_group("hf backend")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
+    add_compute_dtype(g)
     g.add_argument("--batch-size", type=int, default=8, help="rows per forward")
     g.add_argument(
         "--max-tokens-per-batch", type=int, default=16384, help="padded tokens per forward"

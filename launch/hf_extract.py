@@ -9,6 +9,11 @@ captured with forward hooks on the decoder layers, never read from
 
 ``dtype="auto"`` is the dtype vLLM 0.33.0 would serve the verifier in on a GPU of
 ``compute_capability`` (:mod:`launch.vllm_dtype`), so hf files match vLLM's.
+``compute_dtype`` is the dtype the forward runs in (default: the stored ``dtype``);
+``"auto"`` computes in float32 on a CPU, where bf16 matmuls without AVX512-BF16 are
+several times slower than fp32 ones, and in the stored dtype on a GPU. The files
+always hold ``dtype`` (the forward's output rounded once); extraction_config.json
+records both.
 
 Rows of a batch are right-padded; with causal attention the real positions never
 see the padding, but a batched forward may differ from a one-row forward in the
@@ -58,6 +63,16 @@ def check_loading_info(model: str, info: dict) -> None:
         )
 
 
+def add_compute_dtype(parser) -> None:
+    """``--compute-dtype`` of the CLIs that run an :class:`HFExtractor`."""
+    parser.add_argument(
+        "--compute-dtype",
+        default="auto",
+        help="dtype the hf forward runs in; files store --dtype (auto: float32 on a CPU, "
+        "--dtype on a GPU)",
+    )
+
+
 class HFExtractor:
     @classmethod
     def from_args(cls, args) -> HFExtractor:
@@ -70,6 +85,7 @@ class HFExtractor:
             args.target_layer_ids,
             include_last_layer=args.include_last_layer,
             dtype=args.dtype,
+            compute_dtype=args.compute_dtype,
             compute_capability=args.compute_capability,
             device=args.device,
             trust_remote_code=args.trust_remote_code,
@@ -82,6 +98,7 @@ class HFExtractor:
         *,
         include_last_layer: bool = True,
         dtype: str = "auto",
+        compute_dtype: str | None = None,
         compute_capability: str | None = None,
         device: str = "auto",
         trust_remote_code: bool = False,
@@ -99,8 +116,13 @@ class HFExtractor:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = serving_dtype(dtype, full, model, target_capability(compute_capability))
+        compute = compute_dtype or dtype
+        if compute == "auto":
+            compute = "float32" if torch.device(device).type == "cpu" else dtype
+        if not isinstance(getattr(torch, compute, None), torch.dtype):
+            raise ValueError(f"--compute-dtype {compute_dtype}: not a torch dtype name")
         kwargs = {
-            "dtype": getattr(torch, dtype),
+            "dtype": getattr(torch, compute),
             "trust_remote_code": trust_remote_code,
         }
         if attn_implementation:
@@ -118,12 +140,17 @@ class HFExtractor:
                 f"has {len(self.layers)}"
             )
         self.decoder = self.model.get_decoder()
-        self.dtype = next(self.model.parameters()).dtype
+        self.compute_dtype = next(self.model.parameters()).dtype
+        self.dtype = getattr(torch, dtype)  # what extract() returns and files store
         self.model_name = model
 
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return dtype_name(self.compute_dtype)
 
     def _register(self, store: dict[int, torch.Tensor]) -> list:
         handles = []
@@ -144,7 +171,7 @@ class HFExtractor:
 
     @torch.inference_mode()
     def extract(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Hidden states ``[T_i, len(layer_ids), H]`` (model dtype, on CPU) per row."""
+        """Hidden states ``[T_i, len(layer_ids), H]`` (``self.dtype``, on CPU) per row."""
         if not rows:
             return []
         lengths = [len(r) for r in rows]
@@ -168,5 +195,5 @@ class HFExtractor:
             for h in handles:
                 h.remove()
         stacked = torch.stack([store[k] for k in self.layer_ids], dim=2)  # [B, T, n, H]
-        stacked = stacked.to("cpu")
+        stacked = stacked.to(device="cpu", dtype=self.dtype)
         return [stacked[b, :n].clone() for b, n in enumerate(lengths)]

@@ -81,7 +81,7 @@ def test_layer_id_resolution():
     assert resolve_layer_ids([3, 1], 4) == [1, 3, 4]  # sorted, as vLLM sorts them
 
 
-def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, extractor):
+def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, fp32_extractor):
     from datasets import load_from_disk
 
     from launch.extract_hidden_states import main
@@ -117,9 +117,49 @@ def test_cli_writes_spec_files(tmp_path, small_prepared, verifier_path, extracto
         assert set(f) == {"hidden_states", "token_ids"}
         assert f["token_ids"].dtype == torch.int64
         assert f["token_ids"].tolist() == ds[i]["input_ids"]
-        assert torch.equal(f["hidden_states"], extractor.extract([ds[i]["input_ids"]])[0])
+        assert torch.equal(f["hidden_states"], fp32_extractor.extract([ds[i]["input_ids"]])[0])
     record = json.loads((out / "extraction_config.json").read_text())
     assert record["layer_ids"] == [1, 2, 3, 4] and record["dtype"] == "bfloat16"
+    # on a CPU the forward runs in float32 (the default --compute-dtype auto)
+    assert record["compute_dtype"] == "float32"
+
+
+@pytest.fixture(scope="module")
+def fp32_extractor(verifier_path):
+    return HFExtractor(verifier_path, DEMO_TARGET_LAYERS, device="cpu", compute_dtype="auto")
+
+
+def test_fp32_compute_stores_the_float32_forward_rounded_once(
+    fp32_extractor, extractor, demo_tokenizer
+):
+    """Issue 20: --compute-dtype float32 runs the forward in fp32 (fast on a CPU) and
+    stores each slot of the fp32 residual stream rounded once to the files' bf16."""
+    assert fp32_extractor.compute_dtype == torch.float32
+    assert fp32_extractor.dtype == torch.bfloat16 and fp32_extractor.dtype_name == "bfloat16"
+    ids = _ids(demo_tokenizer)
+    hs = fp32_extractor.extract([ids])[0]
+    assert hs.dtype == torch.bfloat16
+    with torch.inference_mode():
+        out = fp32_extractor.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    for slot, k in enumerate(fp32_extractor.layer_ids[:-1]):
+        assert torch.equal(hs[:, slot], out.hidden_states[k][0].to(torch.bfloat16)), k
+    # not the bf16 forward: its roundings compound layer after layer
+    assert not torch.equal(hs, extractor.extract([ids])[0])
+    # and closer to the exact (float64) forward than the bf16 forward is
+    exact = HFExtractor(fp32_extractor.model_name, DEMO_TARGET_LAYERS, device="cpu",
+                        compute_dtype="float64", dtype="bfloat16")  # fmt: skip
+    assert exact.dtype == torch.bfloat16 and exact.compute_dtype == torch.float64
+    with torch.inference_mode():
+        ref = exact.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    ref_last = torch.stack([ref.hidden_states[k][0] for k in exact.layer_ids[:-1]], dim=1)
+    err32 = (hs[:, :-1].double() - ref_last).abs().max()
+    err16 = (extractor.extract([ids])[0][:, :-1].double() - ref_last).abs().max()
+    assert err32 < err16
+
+
+def test_compute_dtype_must_name_a_torch_dtype(verifier_path):
+    with pytest.raises(ValueError, match="--compute-dtype fp33: not a torch dtype name"):
+        HFExtractor(verifier_path, DEMO_TARGET_LAYERS, device="cpu", compute_dtype="fp33")
 
 
 def test_dtype_auto_is_what_vllm_serves(tmp_path, verifier_path, extractor, demo_tokenizer):

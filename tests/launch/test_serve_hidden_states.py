@@ -361,6 +361,8 @@ def test_cli_file_backend_round_trip_and_sigterm(tmp_path, extractor, reference)
         "cpu",
         "--threads",
         str(torch.get_num_threads()),
+        "--compute-dtype",  # the reference answers are the bf16 forward's
+        "bfloat16",
     ]
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -425,7 +427,7 @@ def test_cli_serves_layers_ascending_in_vllms_dtype(tmp_path, verifier_path, ref
     args = parse_args(
         [str(model), "--target-layer-ids", "3", "1", "2", "--port", "0", "--device", "cpu"]
         + ["--hidden-states-backend", "file", "--hidden-states-path", str(tmp_path / "stage")]
-        + ["--compute-capability", "9.0"]
+        + ["--compute-capability", "9.0", "--compute-dtype", "bfloat16"]
     )
     srv = build_server(args).start()
     try:

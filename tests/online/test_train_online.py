@@ -87,6 +87,7 @@ def test_online_file_transport_against_the_cli_server(world, offline):
         sys.executable, "-m", "launch.serve_hidden_states", str(world.verifier),
         "--target-layer-ids", *map(str, LAYERS), "--port", "0", "--device", "cpu",
         "--hidden-states-backend", "file", "--hidden-states-path", str(staging),
+        "--compute-dtype", "bfloat16",  # as the offline files' extractor computes
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
