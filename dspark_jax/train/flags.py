@@ -67,7 +67,7 @@ GROUPS = (
     "backend",
     "jax",
 )
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # dspark_jax/train/flags.py
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "train.yaml"
 # The demo data: configs/demo/README.md ("Use").
 DEMO_PREPARE_COMMAND = (

@@ -386,6 +386,13 @@ def test_aux_layers_vllm_cannot_serve_are_refused_at_train_start(tmp_path):
         draft_init.build_draft(args)
 
 
+def test_the_demo_config_is_the_repositorys():
+    """`python -m dspark_jax.train` without arguments reads configs/demo/train.yaml of
+    this checkout (the layout move once left it looking under dspark_jax/)."""
+    assert cli.DEMO_CONFIG.is_file(), cli.DEMO_CONFIG
+    assert (cli.REPO_ROOT / "pyproject.toml").is_file() and (cli.REPO_ROOT / "dspark_jax").is_dir()
+
+
 def test_no_arguments_runs_the_demo_or_names_the_command(tmp_path, monkeypatch, capsys):
     demo = tmp_path / "train.yaml"
     demo.write_text(
