@@ -232,12 +232,16 @@ def installed_trackers() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def trackio_dir(tmp_path_factory) -> Path:
-    """Trackio reads TRACKIO_DIR once, at import: set it before the first import."""
+def trackio_dir(tmp_path_factory) -> Path | None:
+    """Trackio reads TRACKIO_DIR once, at import: set it before the first import (None:
+    trackio is not installed)."""
     if "trackio" not in sys.modules:
         os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
-    trackio_utils = pytest.importorskip("trackio.utils")
-    return Path(trackio_utils.TRACKIO_DIR)
+    try:
+        import trackio.utils
+    except ImportError:
+        return None
+    return Path(trackio.utils.TRACKIO_DIR)
 
 
 def offline_tracker_env(root: Path) -> dict[str, str]:

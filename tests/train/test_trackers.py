@@ -62,6 +62,7 @@ def test_wandb_offline_run_has_the_reference_names(env):
 
 
 def test_trackio_local_store_has_the_reference_names(env, trackio_dir):
+    pytest.importorskip("trackio")
     _log(env / "logs" / "run-t", ["trackio"])
     logs, config = read_trackio("run-t")
     assert trackio_dir.is_dir() and any(trackio_dir.glob("speculators*"))
