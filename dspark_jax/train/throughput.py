@@ -70,9 +70,29 @@ def train_step_flops(
     """Matmul FLOPs of one train step over ``rows`` packed rows (docs/math.md, "Step FLOPs").
 
     context[l]: (query, context column) pairs layer ``l`` attends over, summed over the
-    rows and heads' shared positions (see :func:`visible_context`; ``hardware``: the pairs
-    the tiled kernel computes, whole chunks of ``KV_CHUNK`` columns per query group).
+    rows (see :func:`visible_context`; ``hardware``: the pairs the tiled kernel computes,
+    whole chunks of ``KV_CHUNK`` columns per query group).
     """
+    parts = step_flops_parts(
+        cfg, rows=rows, num_anchors=num_anchors, seq_len=seq_len, context=context,
+        remat=remat, hardware=hardware,
+    )  # fmt: skip
+    return parts["forward"] + parts["backward"] + (parts["recompute"] if hardware else 0.0)
+
+
+def step_flops_parts(
+    cfg: DSparkConfig,
+    *,
+    rows: int,
+    num_anchors: int,
+    seq_len: int,
+    context: Sequence[float],
+    remat: bool = False,
+    hardware: bool = False,
+) -> dict[str, float]:
+    """:func:`train_step_flops` in three parts: ``forward``, ``backward`` (the gradients
+    only) and ``recompute`` (forward work the compiled backward redoes: the scores in
+    flash attention's backward, the loss chunks' logits, the layers under remat)."""
     L = cfg.num_hidden_layers
     if len(context) != L:
         raise ValueError(f"context has {len(context)} entries for {L} layers")
@@ -82,27 +102,25 @@ def train_step_flops(
     S, Q = seq_len, num_anchors * B
     # Attention queries: the kernel pads the anchors to whole query groups.
     Qa = -(-num_anchors // Q_BLOCK_GROUP) * Q_BLOCK_GROUP * B if hardware else Q
-    # Flash attention: forward QK^T and PV (2 units); backward dP, dQ, dK, dV, plus the
-    # recomputed QK^T in the compiled kernel (4 or 5 units).
-    att_units = 2 + (5 if hardware else 4)
 
-    fwd = bwd = 0.0
     # fc: the aux hidden states [S, n_aux Ht] -> [S, H]; no gradient to its input.
-    f = _mm(S, cfg.num_aux_layers * Ht, H)
-    fwd, bwd = fwd + f, bwd + f
-    layer_fwd_total = 0.0
+    fc = _mm(S, cfg.num_aux_layers * Ht, H)
+    fwd, bwd, layers_fwd, scores = fc, fc, 0.0, 0.0
     for layer in range(L):
         proj_q = _mm(Q, H, Nh * D) + 2 * _mm(Q, H, Nkv * D)  # q, k, v of the block tokens
         proj_ctx = 2 * _mm(S, H, Nkv * D)  # k, v of the context
         out = _mm(Q, Nh * D, H) + 3 * _mm(Q, H, I)  # o_proj, gate, up, down
-        att = 2 * Nh * D * (Qa * B + context[layer])  # one unit: one score-sized matmul
-        lf = proj_q + proj_ctx + out + att
-        layer_fwd_total += lf
+        # One unit: a score-sized matmul, 2 Nh D per (query, key) pair: the own block's
+        # and, per row (context[] sums the rows), the context's. Forward: Q K^T and P V;
+        # backward: dP, dQ, dK, dV.
+        unit = 2 * Nh * D * (Qa * B + context[layer] / rows)
+        lf = proj_q + proj_ctx + out + 2 * unit
+        layers_fwd += lf
+        scores += unit
         fwd += lf
         # Weights get dW, inputs dX, except the first layer's block-token input (the
         # frozen embedding: no gradient needed).
-        bwd += 2 * (proj_ctx + out) + (2 if layer else 1) * proj_q
-        bwd += att * (att_units - 2) / 2
+        bwd += 2 * (proj_ctx + out) + (2 if layer else 1) * proj_q + 4 * unit
     # Markov head (vanilla: a lookup) and the confidence head; their inputs need dX.
     heads = 0.0
     if r > 0 and cfg.markov_head_type == "gated":
@@ -117,10 +135,8 @@ def train_step_flops(
     draft, markov, target = _mm(Q, H, Vd), _mm(Q, r, Vd) if r > 0 else 0.0, _mm(Q, Ht, Vd)
     fwd += draft + markov + target
     bwd += draft + 2 * markov
-    total = rows * (fwd + bwd)
-    if hardware:  # recomputed forwards: the loss chunks always, the layers under remat
-        total += rows * (draft + markov + target + (layer_fwd_total if remat else 0.0))
-    return total
+    recompute = scores + draft + markov + target + (layers_fwd if remat else 0.0)
+    return {"forward": rows * fwd, "backward": rows * bwd, "recompute": rows * recompute}
 
 
 def visible_context(
