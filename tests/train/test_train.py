@@ -162,7 +162,16 @@ def test_the_run_logs_to_every_tracker_and_profiles(baseline, monkeypatch):
         assert metrics["val/loss_epoch"] == pytest.approx(val, rel=1e-7)
         assert set(metrics["profile/fetch_ms"]) == set(expect)
     traces = list((out / "logs" / "run" / "plugins" / "profile").glob("*/*.xplane.pb"))
-    assert len(traces) == 1 and b"PjitFunction(train_step)" in traces[0].read_bytes()
+    assert len(traces) == 1
+    # Read back as TensorBoard's profile plugin / XProf would: the host plane holds the
+    # profiled steps' dispatches of the jitted train step.
+    events = [
+        ev.name
+        for plane in jax.profiler.ProfileData.from_file(str(traces[0])).planes
+        for line in plane.lines
+        for ev in line.events
+    ]
+    assert events.count("PjitFunction(train_step)") >= 2, len(events)
 
 
 def test_checkpoints_and_run_files(baseline, tmp_path):
