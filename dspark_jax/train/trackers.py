@@ -3,7 +3,8 @@ reference's handlers in ``speculators/train/logger.py`` drive them.
 
 * ``wandb``: ``wandb.init(dir=<log-dir>, name=<run name>, config={})``; the run config
   gets each flattened hyperparameter (``run.config[k] = v``), a record is
-  ``run.log(flat, step=step)``. The project, entity, mode (``WANDB_PROJECT``,
+  ``run.log(flat, step=step)``; at the end ``run.finish()`` and ``wandb.teardown()``.
+  The project, entity, mode (``WANDB_PROJECT``,
   ``WANDB_ENTITY``, ``WANDB_MODE=offline``, ...) come from wandb's own environment
   variables.
 * ``trackio``: the same calls on ``trackio.init(project="speculators", name=..., config={})``
@@ -70,8 +71,8 @@ class WandbTracker:
     package = "wandb"
 
     def __init__(self, run_name: str, log_dir: Path):
-        module = importlib.import_module(self.package)
-        self.run = module.init(**self._init_kwargs(run_name, Path(log_dir)))
+        self.module = importlib.import_module(self.package)
+        self.run = self.module.init(**self._init_kwargs(run_name, Path(log_dir)))
 
     def _init_kwargs(self, run_name: str, log_dir: Path) -> dict[str, Any]:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -88,10 +89,16 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        # Stop wandb's service threads now (the run is written out), not at exit: an idle
+        # asyncio thread left behind can fail later in the process once its loop closes.
+        self.module.teardown()
 
 
 class TrackioTracker(WandbTracker):
     package = "trackio"
+
+    def close(self) -> None:
+        self.run.finish()
 
     def _init_kwargs(self, run_name: str, log_dir: Path) -> dict[str, Any]:
         del log_dir  # Trackio takes no directory (the reference ignores --log-dir too)
