@@ -174,6 +174,47 @@ def test_the_run_logs_to_every_tracker_and_profiles(baseline, monkeypatch):
     assert events.count("PjitFunction(train_step)") >= 2, len(events)
 
 
+def test_an_input_bound_run_shows_its_data_wait(baseline, learn, tmp_path, monkeypatch):
+    """The baseline's run with an input pipeline 0.25 s slower per batch: fetch_ms (the
+    loop's wait for data) holds the delay. Stopped after 3 steps (same flags as the
+    baseline: its compilation is reused)."""
+    import time
+
+    from dspark_jax.data.pipeline import PackedData
+
+    delay, real = 0.25, PackedData.train_iterator
+
+    class Slow:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __next__(self):
+            time.sleep(delay)
+            return next(self.inner)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class Stop(Exception):
+        pass
+
+    def stop(t):
+        if t.global_step == 3:
+            raise Stop
+
+    monkeypatch.setattr(PackedData, "train_iterator", lambda self, **kw: Slow(real(self, **kw)))
+    verifier, data = learn
+    args = cli.resolve(tiny_argv(verifier, data, tmp_path, **RUN))
+    with pytest.raises(Stop):
+        train.run(args, devices=jax.devices()[:1], step_callback=stop)
+    records = read_jsonl(tmp_path / "logs" / "run" / "metrics.jsonl")
+    profiles = [r["profile"] for r in records if "train" in r]
+    assert len(profiles) == 3
+    for p in profiles:
+        assert 1e3 * delay <= p["fetch_ms"] <= p["step_ms"], p
+    assert profiles[-1]["fetch_frac"] >= 1e3 * delay / profiles[-1]["step_ms"] - 1e-9
+
+
 def test_checkpoints_and_run_files(baseline, tmp_path):
     out, _, args = baseline
     ckpt = out / "ckpt"
