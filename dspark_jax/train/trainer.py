@@ -15,8 +15,8 @@ The loop, top to bottom (reference: ``speculators/train/trainer.py``):
   ``s`` come from ``fold_in(key(seed), s)``, so a resumed run draws the same ones;
 * every ``--log-freq`` steps a metrics record with the reference's names (JSONL,
   ``--logger`` trackers, console line) and the throughput (tokens/s, TFLOP/s per
-  device, MFU, data wait, device memory: :class:`Throughput`); validation after every epoch (and when training
-  stops at ``--max-steps``); Orbax checkpoints by the reference's rules
+  device, MFU, data wait, device memory: :class:`Throughput`); validation after every
+  epoch (and when training stops at ``--max-steps``); Orbax checkpoints by the reference's rules
   (``--checkpoint-freq``, ``--save-best``), keeping the newest ``--keep-checkpoints``
   and the best one; resume from the latest unless ``--no-resume-from-checkpoint``;
 * ``--profile-steps A:B``: a ``jax.profiler`` trace of steps A..B-1 in the run's log dir;
