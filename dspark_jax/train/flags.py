@@ -268,8 +268,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("max_steps", "trainer", None, int, "Stop after this many optimizer steps."),
     # --- logging
     _f("logger", "logging", "",
-       help="'tensorboard' (needs tensorboardX) or ''; metrics always go to "
-       "<log-dir>/<run-name>/metrics.jsonl."),
+       help="Comma-separated trackers: tensorboard, wandb, trackio, mlflow (pip install "
+       "'dspark-jax[loggers]'); metrics always go to <log-dir>/<run-name>/metrics.jsonl."),
     _f("log_dir", "logging", "./logs", help="Directory for training logs."),
     _f("run_name", "logging", None, help="Run name (default: the start time)."),
     # --- dflash (shared DFlash-family backbone knobs)
@@ -341,6 +341,9 @@ FLAGS: tuple[Flag, ...] = (
        "Checkpoints kept (the newest ones; the best validation one is kept as well)."),
     _f("loss_chunk_tokens", "jax", 1024, int,
        "Slots per vocabulary-sized chunk of the loss (memory vs. speed)."),
+    _f("profile_steps", "jax", None,
+       help="A:B: a jax.profiler trace of optimizer steps A to B-1 into "
+       "<log-dir>/<run-name>/profile (TensorBoard's profile plugin, XProf, Perfetto)."),
     _f("verifier_norm_style", "jax", "auto", choices=("auto", "plain", "gemma"),
        help="The verifier's final norm for the training targets: plain x * w or gemma "
        "x * (1 + w); auto: speculators' choice from the verifier config's model_type "
@@ -709,13 +712,7 @@ def validate(args: TrainArgs) -> None:
             "--draft-config defines the draft decoder, so these flags conflict with it "
             "(remove them): " + ", ".join(shaping)
         )
-    loggers = [x.strip() for x in v["logger"].split(",") if x.strip()]
-    for name in loggers:
-        if name != "tensorboard":
-            raise ConfigError(
-                f"--logger {name} is not supported by dspark_jax (supported: tensorboard); "
-                "metrics always go to <log-dir>/<run-name>/metrics.jsonl"
-            )
+    _validate_logging(v)
     if v["hidden_states_backend"] != "mooncake":
         given = [f.flag for f in FLAGS if f.dest.startswith("mooncake_") and args.provided(f.dest)]
         if given:
@@ -759,6 +756,68 @@ def validate(args: TrainArgs) -> None:
             "--coordinator-address, --num-processes and --process-id go together "
             "(or none of them: auto-detection)"
         )
+
+
+# ---------------------------------------------------------------- logging
+
+LOGGERS = ("tensorboard", "wandb", "trackio", "mlflow")
+
+
+def loggers(v: dict[str, Any]) -> list[str]:
+    """``--logger`` as a list (comma-separated, as the reference splits it)."""
+    return [x.strip() for x in v["logger"].split(",") if x.strip()]
+
+
+def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
+    """``--profile-steps A:B`` -> (A, B): steps A..B-1 (0-based optimizer steps)."""
+    if spec is None:
+        return None
+    try:
+        a, b = (int(x) for x in str(spec).split(":"))
+    except ValueError:
+        a = b = -1
+    if not 0 <= a < b:
+        raise ConfigError(f"--profile-steps must be A:B with 0 <= A < B, got {spec!r}")
+    return a, b
+
+
+def _validate_logging(v: dict[str, Any]) -> None:
+    from dspark_jax.train.trackers import missing_packages
+
+    names = loggers(v)
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(
+                f"--logger {name} is not supported (supported: {', '.join(LOGGERS)}); "
+                "metrics always go to <log-dir>/<run-name>/metrics.jsonl"
+            )
+    missing = missing_packages(names)
+    if missing:
+        raise ConfigError(missing)
+    parse_profile_steps(v["profile_steps"])
+
+
+def run_config(args: TrainArgs) -> dict[str, Any]:
+    """The config record the trackers get, shaped as the reference's ``log_run_config``
+    (``TrainConfig.model_dump``): root fields at the top, the others under their group,
+    the hidden-states backend's flags under ``hidden_states_backend_args`` (the mooncake
+    ones with --hidden-states-backend mooncake, else --hidden-states-path) and ours
+    under ``jax``."""
+    v = args.values
+    out: dict[str, Any] = {}
+    backend: dict[str, Any] = {}
+    mooncake = v["hidden_states_backend"] == "mooncake"
+    for f in FLAGS:
+        if f.group == "general":
+            out[f.dest] = v[f.dest]
+        elif f.group == "backend":
+            if f.dest.startswith("mooncake_") == mooncake:
+                backend[f.dest] = v[f.dest]
+        else:
+            out.setdefault(f.group, {})[f.dest] = v[f.dest]
+    if backend:
+        out["hidden_states_backend_args"] = backend
+    return out
 
 
 # ---------------------------------------------------------------- online transport

@@ -7,7 +7,15 @@ after each validation, with the same metric names (``normalize_counted_metrics``
 turns the ``*_sum``/``*_total`` pairs into ``loss``, ``accept_len``, ...). Each JSONL
 line is the record plus ``"step"`` (the reference's ``extra={"step": ...}``);
 TensorBoard gets the record flattened with ``/`` (``train/loss``, ``lr/Muon``), as the
-reference's TensorBoardHandler does. Only process 0 writes.
+reference's TensorBoardHandler does; ``wandb``, ``trackio`` and ``mlflow`` get it as the
+reference's handlers do (:mod:`dspark_jax.train.trackers`). Only process 0 writes.
+
+The ``profile`` part of a train record holds the reference's ``fetch_ms`` (the time the
+loop waited for the input pipeline), ``step_ms``, ``tokens_per_s`` and ``fetch_frac``,
+and our throughput figures: ``tflops_per_device`` and ``mfu`` (docs/math.md, "Step
+FLOPs"; no MFU where the device's peak is unknown, e.g. CPU) and ``memory_mb``
+(``in_use``/``peak``, the largest over this process's devices, where the backend reports
+it).
 """
 
 from __future__ import annotations
@@ -72,27 +80,42 @@ def _tensorboard_writer(log_dir: Path):
         from tensorboardX import SummaryWriter
     except ImportError:
         raise RuntimeError(
-            "--logger tensorboard needs the tensorboardX package (pip install tensorboardX); "
-            "metrics are in the JSONL file regardless"
+            "--logger tensorboard needs the tensorboardX package (pip install "
+            "'dspark-jax[loggers]'); metrics are in the JSONL file regardless"
         ) from None
     log_dir.mkdir(parents=True, exist_ok=True)
     return SummaryWriter(logdir=str(log_dir))
 
 
 class MetricsLog:
-    """JSONL (always) + TensorBoard (``--logger tensorboard``) on process 0."""
+    """JSONL (always) + the ``--logger`` trackers on process 0.
+
+    ``run_dir`` is ``<log-dir>/<run name>``: the JSONL file and TensorBoard events go
+    there, wandb gets ``<log-dir>`` as its ``dir`` and the run name as its name.
+    """
 
     def __init__(self, run_dir: Path, loggers: list[str], enabled: bool = True):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file: TextIO | None = None
         self._tb = None
+        self._trackers: list = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
-        if "tensorboard" in loggers:
-            self._tb = _tensorboard_writer(Path(run_dir))
+        try:
+            if "tensorboard" in loggers:
+                self._tb = _tensorboard_writer(Path(run_dir))
+            from dspark_jax.train.trackers import TRACKERS
+
+            for name in loggers:
+                if name in TRACKERS:
+                    run_dir = Path(run_dir)
+                    self._trackers.append(TRACKERS[name](run_dir.name, run_dir.parent))
+        except BaseException:
+            self.close()
+            raise
 
     def resume_at(self, step: int) -> None:
         """Drop the records of the work a resume from checkpoint ``step`` repeats, so that
@@ -122,6 +145,8 @@ class MetricsLog:
                 name=".",
                 global_step=step,
             )
+        for tracker in self._trackers:
+            tracker.hparams(config)
 
     def log(self, record: dict[str, Any], step: int) -> None:
         if not self.enabled:
@@ -134,6 +159,8 @@ class MetricsLog:
                     self._tb.add_scalar(k, v, global_step=step)
                 elif isinstance(v, str):
                     self._tb.add_text(k, v, global_step=step)
+        for tracker in self._trackers:
+            tracker.log(record, step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -143,6 +170,9 @@ class MetricsLog:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def _logged_before(line: str, step: int) -> bool:
@@ -167,6 +197,24 @@ def _duration(seconds: float) -> str:
     s = int(seconds)
     h, m, s = s // 3600, s // 60 % 60, s % 60
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _throughput_parts(profile: Mapping[str, Any]) -> list[str]:
+    """Step time, TFLOP/s per device, MFU, data wait and memory of a profile record."""
+    parts = []
+    if "step_ms" in profile:
+        parts.append(f"step {profile['step_ms']:,.0f} ms")
+    if profile.get("tflops_per_device") is not None:
+        parts.append(f"{profile['tflops_per_device']:.3g} TFLOP/s/device")
+    mfu = profile.get("mfu")
+    parts.append("MFU n/a" if mfu is None else f"MFU {100 * mfu:.1f}%")
+    if "fetch_ms" in profile:
+        frac = profile.get("fetch_frac", 0.0)
+        parts.append(f"data wait {profile['fetch_ms']:,.1f} ms ({100 * frac:.0f}%)")
+    mem = profile.get("memory_mb")
+    if mem:
+        parts.append(f"mem {mem['in_use'] / 1024:.2f} GiB (peak {mem['peak'] / 1024:.2f})")
+    return parts
 
 
 class Progress:
@@ -207,8 +255,10 @@ class Progress:
         lr: float,
         tokens_per_s: float | None,
         force: bool = False,
+        profile: Mapping[str, Any] | None = None,
     ) -> None:
-        """``step``: optimizer steps done so far (the record's global_step + 1)."""
+        """``step``: optimizer steps done so far (the record's global_step + 1);
+        ``profile``: the record's ``profile`` (step time, MFU, data wait, memory)."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -227,6 +277,8 @@ class Progress:
         ]
         if tokens_per_s is not None:
             parts.append(f"{tokens_per_s:,.0f} tok/s")
+        if profile:
+            parts += _throughput_parts(profile)
         parts.append(f"ETA {_duration(eta)}")
         line = " | ".join(parts)
         if self.tty:

@@ -14,10 +14,12 @@ The loop, top to bottom (reference: ``speculators/train/trainer.py``):
 * one optimizer step per batch of ``--rows-per-step`` packed rows; anchors of step
   ``s`` come from ``fold_in(key(seed), s)``, so a resumed run draws the same ones;
 * every ``--log-freq`` steps a metrics record with the reference's names (JSONL,
-  TensorBoard, console line); validation after every epoch (and when training
-  stops at ``--max-steps``); Orbax checkpoints by the reference's rules
+  ``--logger`` trackers, console line) and the throughput (tokens/s, TFLOP/s per
+  device, MFU, data wait, device memory: :class:`Throughput`); validation after every
+  epoch (and when training stops at ``--max-steps``); Orbax checkpoints by the reference's rules
   (``--checkpoint-freq``, ``--save-best``), keeping the newest ``--keep-checkpoints``
   and the best one; resume from the latest unless ``--no-resume-from-checkpoint``;
+* ``--profile-steps A:B``: a ``jax.profiler`` trace of steps A..B-1 in the run's log dir;
 * SIGTERM/SIGINT (or a preemption notice seen by ``jax.distributed``): finish the
   step, save, exit ``128 + signum`` (143, 130; as shells report a killed command, so
   ``make`` and job scripts do not go on with an unfinished run). A second signal kills
@@ -53,7 +55,7 @@ from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData
 from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
-from dspark_jax.train import drafter_setup, flags, online_setup
+from dspark_jax.train import drafter_setup, flags, online_setup, throughput
 from dspark_jax.train.checkpoint import FORMAT as CHECKPOINT_FORMAT  # what the converters read
 from dspark_jax.train.checkpoint import Checkpointer, CheckpointError
 from dspark_jax.train.dry_run import dry_run
@@ -126,6 +128,73 @@ def _run_name(template: str | None) -> str:
     }.items():
         name = name.replace(key, value)
     return name
+
+
+class Throughput:
+    """Step FLOPs of each batch (docs/math.md, "Step FLOPs") and the device peak: the
+    ``profile`` figures beyond the reference's (TFLOP/s per device, MFU, memory)."""
+
+    def __init__(self, trainer: Trainer):
+        self.cfg, self.args = trainer.cfg, trainer.args
+        self.devices = trainer.mesh.size
+        kinds = {d.device_kind for d in trainer.mesh.devices.flat}
+        self.peak = throughput.peak_flops(kinds.pop()) if len(kinds) == 1 else None
+
+    def step_flops(self, batch: dict[str, np.ndarray]) -> float:
+        """Model FLOPs of one step on this process's rows, times the processes."""
+        args = self.args
+        context = throughput.visible_context(
+            batch["document_ids"], batch["loss_mask"], self.cfg, args.max_anchors
+        )
+        rows = batch["document_ids"].shape[0]
+        flops = throughput.train_step_flops(
+            self.cfg,
+            rows=rows,
+            num_anchors=args.max_anchors,
+            seq_len=args.total_seq_len,
+            context=context,
+        )
+        return flops * jax.process_count()
+
+    def figures(self, flops: float, elapsed: float) -> dict[str, Any]:
+        per_device = flops / elapsed / self.devices
+        out: dict[str, Any] = {
+            "tflops_per_device": per_device / 1e12,
+            "mfu": None if self.peak is None else per_device / self.peak,
+        }
+        memory = throughput.device_memory(jax.local_devices())
+        if memory:
+            out["memory_mb"] = memory
+        return out
+
+
+class StepProfiler:
+    """``--profile-steps A:B``: ``jax.profiler`` traces steps A..B-1 into ``log_dir``
+    (``plugins/profile/<time>/<host>.xplane.pb``: TensorBoard's profile plugin, XProf,
+    Perfetto)."""
+
+    def __init__(self, window: tuple[int, int] | None, log_dir: Path):
+        self.window, self.log_dir, self.active = window, Path(log_dir), False
+
+    def before(self, step: int) -> None:
+        if self.window is not None and not self.active and self.window[0] <= step < self.window[1]:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.log_dir))
+            self.active = True
+
+    def after(self, step: int, state) -> None:
+        """``step``: the step just dispatched; the trace ends once step B-1 has run."""
+        if self.active and step + 1 >= self.window[1]:
+            self.stop(state)
+
+    def stop(self, state=None) -> None:
+        if not self.active:
+            return
+        if state is not None:
+            jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        self.active = False
+        log.info("profile of steps %d:%d in %s", *self.window, self.log_dir)
 
 
 class Trainer:
@@ -463,7 +532,7 @@ class Trainer:
             metrics = {k.removesuffix("_epoch"): v for k, v in val.items()} if val else None
             self.save("epoch_end", metrics)
         # Step timings restart after validation and saving.
-        self._window = {"t": time.perf_counter(), "steps": 0, "tokens": 0, "fetch": 0.0}
+        self._window = _new_window()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -491,8 +560,9 @@ class Trainer:
             num_epochs=args.epochs, num_workers=args.num_workers, prefetch=args.prefetch_factor
         )
         run_dir = Path(args.log_dir) / _run_name(args.run_name)
-        loggers = [x.strip() for x in args.logger.split(",") if x.strip()]
-        self.metrics = MetricsLog(run_dir, loggers, enabled=self.is_main)
+        self.metrics = MetricsLog(run_dir, flags.loggers(args.values), enabled=self.is_main)
+        self.throughput = Throughput(self)
+        self.profiler = StepProfiler(flags.parse_profile_steps(args.profile_steps), run_dir)
         self.progress = Progress(total, enabled=self.is_main)
         try:
             if self.ckpt.all_steps() and args.no_resume_from_checkpoint:
@@ -516,7 +586,7 @@ class Trainer:
                     from dspark_jax.train.checkpoint import save_checkpoint_vocab_maps
 
                     save_checkpoint_vocab_maps(args.save_path, self.cfg, *self.setup.vocab_maps)
-            self.metrics.hparams(args.as_dict(), self.global_step)
+            self.metrics.hparams(flags.run_config(args), self.global_step)
             log.info(
                 "training a drafter from %s: %d steps (%d per epoch, %d rows of %d tokens), "
                 "mesh %s, metrics %s",
@@ -530,6 +600,7 @@ class Trainer:
             )
             return self.loop()
         finally:
+            self.profiler.stop()
             self.train_it.close()
             self.ckpt.close()
             self.metrics.close()
@@ -541,7 +612,7 @@ class Trainer:
         if not distributed:  # with jax.distributed, JAX's preemption notifier owns SIGTERM
             interrupted.install()
         self.progress.start(self.global_step)
-        self._window = {"t": time.perf_counter(), "steps": 0, "tokens": 0, "fetch": 0.0}
+        self._window = _new_window()
         stopped_at_max = False
         try:
             while args.max_steps is None or self.global_step < args.max_steps:
@@ -549,15 +620,18 @@ class Trainer:
                 if it.epoch >= args.epochs:
                     break
                 epoch, steps_in_epoch, step_in_epoch = it.epoch, it.steps_in_epoch, it.step
+                self.profiler.before(self.global_step)  # the trace shows the data wait too
                 t0 = time.perf_counter()
                 batch = next(it)
                 w = self._window
                 w["fetch"] += time.perf_counter() - t0
                 w["tokens"] += int(np.sum(batch["document_ids"] != -1)) * jax.process_count()
+                w["flops"] += self.throughput.step_flops(batch)
                 w["steps"] += 1
                 self.state, metrics = self.train_step(
                     self.state, self.frozen, self._global(batch), jnp.int32(self.global_step)
                 )
+                self.profiler.after(self.global_step, self.state)
                 if self.global_step % args.log_freq == 0:
                     self._log_step(epoch, step_in_epoch + 1, steps_in_epoch, metrics)
                 self.global_step += 1
@@ -611,8 +685,9 @@ class Trainer:
             "step_ms": 1e3 * elapsed / w["steps"],
             "tokens_per_s": w["tokens"] / elapsed,
             "fetch_frac": w["fetch"] / elapsed,
+            **self.throughput.figures(w["flops"], elapsed),
         }
-        self._window = {"t": now, "steps": 0, "tokens": 0, "fetch": 0.0}
+        self._window = _new_window(now)
         lrs = {OPTIMIZER_NAMES[g]: float(s(self.global_step)) for g, s in self.schedules.items()}
         lr_info = lrs if len(lrs) > 1 else next(iter(lrs.values()))
         record = {
@@ -631,7 +706,14 @@ class Trainer:
             train,
             next(iter(lrs.values())),
             profile["tokens_per_s"],
+            profile=profile,
         )
+
+
+def _new_window(t: float | None = None) -> dict[str, float]:
+    """The counters of the steps since the last record (``fetch``: data wait, s)."""
+    t = time.perf_counter() if t is None else t
+    return {"t": t, "steps": 0, "tokens": 0, "fetch": 0.0, "flops": 0.0}
 
 
 # What a checkpoint that does not restore raises (tensorstore and JSON errors are

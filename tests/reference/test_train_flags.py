@@ -80,3 +80,34 @@ def test_normalize_counted_metrics_is_the_references():
                "orphan_total": 4.0, "other": 6.0}  # fmt: skip
     for world in (1, 3):
         assert normalize_counted_metrics(dict(metrics), world) == reference(dict(metrics), world)
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_the_trackers_config_record_is_the_references(backend):
+    """flags.run_config: the record the reference's log_run_config hands its trackers
+    (``TrainConfig.model_dump`` + ``hidden_states_backend_args``), flattened as they are;
+    ours has the JAX flags (``jax/...``) and mooncake_writer_threads besides."""
+    from speculators.train.config.resolution import resolve
+    from speculators.train.config.schema import TrainConfig
+    from speculators.train.logger import _flatten_dict
+
+    argv = ["--verifier-name-or-path", "/v", "--speculator-type", "dspark", "--lr", "0.01",
+            "--logger", "wandb", "--hidden-states-backend", backend]  # fmt: skip
+    if backend == "mooncake":
+        argv += ["--mooncake-master", "10.0.0.1:50051"]
+    ref_cfg = resolve(TrainConfig, argv)
+    ref = ref_cfg.model_dump(mode="json")
+    if ref_cfg.backend_args:
+        ref["hidden_states_backend_args"] = dict(ref_cfg.backend_args)
+    ref = _flatten_dict(ref)
+    ours = _flatten_dict(cli.run_config(cli.resolve(argv)))
+    extra = {k for k in ours if k.startswith("jax/")}
+    if backend == "mooncake":
+        extra.add("hidden_states_backend_args/mooncake_writer_threads")
+    assert set(ours) - set(ref) == extra
+    assert set(ref) == set(ours) - extra
+    for k, v in ref.items():
+        if k.split("/")[-1] in DEVIATIONS or k.split("/")[-1] in RESOLVED_BY_MODEL:
+            continue
+        mine = ours[k]
+        assert mine == v or list(mine) == v, (k, mine, v)

@@ -216,3 +216,132 @@ def make_learnable_data(root, verifier: Path, *, n_docs=80, n_aux=2, hidden=8, a
     for i in range(n_docs):
         write_hs(hs, i, ids[i], hidden_states[i])
     return TinyData(data_path, hs, ids, masks, hidden_states, n_aux, hidden, 64)
+
+
+# ---------------------------------------------------------------- offline trackers
+# --logger wandb/trackio/mlflow without a network: wandb offline run files, Trackio's
+# local SQLite store, an MLflow file store; readers of what each stored.
+
+TRACKERS = ("wandb", "trackio", "mlflow")
+
+
+def installed_trackers() -> list[str]:
+    import importlib.util
+
+    return [t for t in TRACKERS if importlib.util.find_spec(t) is not None]
+
+
+@pytest.fixture(scope="session")
+def trackio_dir(tmp_path_factory) -> Path | None:
+    """Trackio reads TRACKIO_DIR once, at import: set it before the first import (None:
+    trackio is not installed)."""
+    if "trackio" not in sys.modules:
+        os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
+    try:
+        import trackio.utils
+    except ImportError:
+        return None
+    return Path(trackio.utils.TRACKIO_DIR)
+
+
+def offline_tracker_env(root: Path) -> dict[str, str]:
+    root = Path(root)
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_CONFIG_DIR": str(root / "wandb_config"),
+        "WANDB_CACHE_DIR": str(root / "wandb_cache"),
+        "WANDB_DATA_DIR": str(root / "wandb_data"),
+        "HF_HUB_OFFLINE": "1",
+        "MLFLOW_TRACKING_URI": (root / "mlruns").as_uri(),
+        "MLFLOW_ALLOW_FILE_STORE": "true",  # mlflow 3 wants opting in to file stores
+    }
+
+
+def read_wandb(log_dir: Path, run_name: str, timeout: float = 30.0) -> tuple[list[dict], dict]:
+    """(history rows, config) of the offline run named ``run_name`` under
+    ``<log_dir>/wandb``. The run file is a LevelDB-style log of wandb Record protos (32 KiB
+    blocks, 7-byte record headers: crc32, length, type full/first/middle/last), written by
+    wandb's service process: ``finish()`` can return before it is whole, so it is read
+    again until its ``exit`` record is there."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = [
+            run
+            for run in map(_read_wandb_file, Path(log_dir).glob("wandb/offline-run-*/run-*.wandb"))
+            if run[0] == run_name
+        ]
+        if len(runs) == 1 and runs[0][3]:
+            return runs[0][1], runs[0][2]
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{len(runs)} complete wandb runs named {run_name!r} under {log_dir}"
+            )
+        time.sleep(0.2)
+
+
+def _read_wandb_file(path: Path) -> tuple[str | None, list[dict], dict, bool]:
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw, pos, buf, records = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if n == 0 and kind == 0:
+            break
+        data, pos = raw[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            records.append(buf + data)
+            buf = b""
+        else:
+            buf += data
+    history, config, name, done = [], {}, None, False
+    for data in records:
+        record = pb.Record()
+        record.ParseFromString(data)
+        which = record.WhichOneof("record_type")
+        if which == "run":
+            name = record.run.display_name or name
+        elif which == "history":
+            history.append({_key(i): json.loads(i.value_json) for i in record.history.item})
+        elif which == "config":
+            config.update({_key(u): json.loads(u.value_json) for u in record.config.update})
+        elif which == "exit":
+            done = True
+    return name, history, config, done
+
+
+def _key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def read_trackio(run_name: str, project: str = "speculators") -> tuple[list[dict], dict]:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    return SQLiteStorage.get_logs(project, run_name), SQLiteStorage.get_run_config(
+        project, run_name
+    )
+
+
+def read_mlflow(run_name: str, experiment: str = "speculators") -> dict[str, dict[int, float]]:
+    """metric -> {step: value} of the run named ``run_name``."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.mlflow.runName = '{run_name}'"
+    )
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    run = runs[0]
+    return {
+        key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+        for key in run.data.metrics
+    }

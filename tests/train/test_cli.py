@@ -180,7 +180,7 @@ BASE = ["--verifier-name-or-path", "/nonexistent/verifier"]
         (["--xpress-rank", "8"], "--xpress-rank is an option of xpress"),
         (["--num-depths", "4"], "--num-depths is an option of peagle"),
         (["--num-speculative-steps", "2"], "--num-speculative-steps is an option of mtp"),
-        (["--logger", "wandb"], "--logger wandb is not supported"),
+        (["--logger", "comet"], "--logger comet is not supported"),
         (["--draft-arch", "llama"], "qwen3 draft layers only"),
         (["--draft-hidden-act", "gelu"], "SiLU only"),
         (["--hidden-states-dtype", "float16"], "float16 is not supported"),

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import math
+import os
 import shutil
 import subprocess
 
@@ -30,8 +31,13 @@ from tests.train.conftest import (
     PYTHON,
     ROOT,
     child_env,
+    installed_trackers,
     make_learnable_data,
+    offline_tracker_env,
     read_jsonl,
+    read_mlflow,
+    read_trackio,
+    read_wandb,
     tiny_argv,
     write_verifier,
 )
@@ -39,6 +45,7 @@ from tests.train.conftest import (
 STEPS_PER_EPOCH = 5
 EPOCHS = 3
 RUN = {"epochs": EPOCHS, "lr": 3e-2, "optimizer": "muon"}
+PROFILE = "1:3"
 TRAIN_METRICS = {
     "loss",
     "ce_loss",
@@ -64,12 +71,17 @@ def learn(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(learn, tmp_path_factory):
-    """The uninterrupted run: 15 steps on one device."""
+def baseline(learn, tmp_path_factory, trackio_dir):
+    """The uninterrupted run: 15 steps on one device. It also logs to every installed
+    tracker (offline) and profiles steps 1 and 2 (PROFILE)."""
     verifier, data = learn
     out = tmp_path_factory.mktemp("baseline")
-    args = cli.resolve(tiny_argv(verifier, data, out, **RUN))
-    assert train.run(args, devices=jax.devices()[:1]) == 0
+    loggers = ",".join(["tensorboard", *installed_trackers()])
+    args = cli.resolve(tiny_argv(verifier, data, out, **RUN, logger=loggers, profile_steps=PROFILE))
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in offline_tracker_env(out).items():
+            mp.setenv(k, v)
+        assert train.run(args, devices=jax.devices()[:1]) == 0
     return out, read_jsonl(out / "logs" / "run" / "metrics.jsonl"), args
 
 
@@ -114,6 +126,93 @@ def test_metric_records_have_the_expected_names(baseline):
     # The schedule: linear decay from step 0 (no warmup: 15 // 100 = 0 steps).
     # fp32: (15 - 14) / 15 rounded, fp32(3e-2), their product: <= 3u.
     assert train_records[-1]["lr"]["AdamW"] == pytest.approx(3e-2 * 1 / 15, rel=4 * U, abs=0)
+
+
+def test_the_run_logs_to_every_tracker_and_profiles(baseline, monkeypatch):
+    """Issue 20: one run, --logger tensorboard,wandb,trackio,mlflow --profile-steps 1:3.
+    Each tracker holds the JSONL's train and val values under the reference's names,
+    with the throughput figures; the trace of steps 1-2 is in the run's log dir."""
+    out, records, _ = baseline
+    trackers = installed_trackers()
+    assert trackers == ["wandb", "trackio", "mlflow"] or not os.environ.get("CI")
+    train_records = [r for r in records if "train" in r]
+    profile = train_records[-1]["profile"]
+    assert profile["tflops_per_device"] > 0 and profile["mfu"] is None  # CPU: no peak
+    assert 0 <= profile["fetch_ms"] <= profile["step_ms"]
+    expect = {r["step"]: r["train"]["loss"] for r in train_records}
+    val = {r["step"]: r["val"]["loss_epoch"] for r in records if "val" in r}
+    for k, v in offline_tracker_env(out).items():
+        monkeypatch.setenv(k, v)
+    got = {}
+    if "wandb" in trackers:
+        history, config = read_wandb(out / "logs", "run")
+        got["wandb"] = history, config
+        assert config["optimizer/lr"] == 3e-2 and config["logging/logger"].startswith("tens")
+    if "trackio" in trackers:
+        got["trackio"] = read_trackio("run")
+    for name, (history, config) in got.items():
+        step_key = "_step" if name == "wandb" else "step"
+        assert {h[step_key]: h["train/loss"] for h in history if "train/loss" in h} == expect
+        assert {h[step_key]: h["val/loss_epoch"] for h in history if "val/loss_epoch" in h} == val
+        assert all(h["profile/tflops_per_device"] > 0 for h in history if "train/loss" in h)
+        assert config["draft/num_layers"] == 1, name
+    if "mlflow" in trackers:
+        metrics = read_mlflow("run")
+        assert metrics["train/loss"] == pytest.approx(expect, rel=1e-7)  # stored as float64
+        assert metrics["val/loss_epoch"] == pytest.approx(val, rel=1e-7)
+        assert set(metrics["profile/fetch_ms"]) == set(expect)
+    traces = list((out / "logs" / "run" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1
+    # Read back as TensorBoard's profile plugin / XProf would: the host plane holds the
+    # profiled steps' dispatches of the jitted train step.
+    events = [
+        ev.name
+        for plane in jax.profiler.ProfileData.from_file(str(traces[0])).planes
+        for line in plane.lines
+        for ev in line.events
+    ]
+    assert events.count("PjitFunction(train_step)") >= 2, len(events)
+
+
+def test_an_input_bound_run_shows_its_data_wait(baseline, learn, tmp_path, monkeypatch):
+    """The baseline's run with an input pipeline 0.25 s slower per batch: fetch_ms (the
+    loop's wait for data) holds the delay. Stopped after 3 steps (same flags as the
+    baseline: its compilation is reused)."""
+    import time
+
+    from dspark_jax.data.pipeline import PackedData
+
+    delay, real = 0.25, PackedData.train_iterator
+
+    class Slow:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __next__(self):
+            time.sleep(delay)
+            return next(self.inner)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class Stop(Exception):
+        pass
+
+    def stop(t):
+        if t.global_step == 3:
+            raise Stop
+
+    monkeypatch.setattr(PackedData, "train_iterator", lambda self, **kw: Slow(real(self, **kw)))
+    verifier, data = learn
+    args = cli.resolve(tiny_argv(verifier, data, tmp_path, **RUN))
+    with pytest.raises(Stop):
+        train.run(args, devices=jax.devices()[:1], step_callback=stop)
+    records = read_jsonl(tmp_path / "logs" / "run" / "metrics.jsonl")
+    profiles = [r["profile"] for r in records if "train" in r]
+    assert len(profiles) == 3
+    for p in profiles:
+        assert 1e3 * delay <= p["fetch_ms"] <= p["step_ms"], p
+    assert profiles[-1]["fetch_frac"] >= 1e3 * delay / profiles[-1]["step_ms"] - 1e-9
 
 
 def test_checkpoints_and_run_files(baseline, tmp_path):
