@@ -1,0 +1,266 @@
+"""``--dry-run --compile-for``: the trainer's steps compiled for a TPU slice from this
+CPU machine (libtpu, the ``tpu`` extra), and for the local devices.
+
+The TPU tests are marked ``tpu``: they skip without libtpu, and under CI=true (which
+installs the extra) such a skip fails the run (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+import jax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax import parallel
+from dspark_jax.parallel import LOGICAL_RULES
+from dspark_jax.train import compile_report, compile_target, flags
+from dspark_jax.train import trainer as train
+
+
+def _libtpu_missing() -> str | None:
+    from jax._src import xla_bridge
+
+    return None if xla_bridge.get_tpu_library_path() else "needs libtpu: the tpu extra"
+
+
+def tiny_compile_argv(verifier, save, *extra) -> list[str]:
+    """A 1-layer drafter (hidden 8) of the conftest verifier; no data folder exists."""
+    return [
+        "--verifier-name-or-path", str(verifier), "--target-layer-ids", "1", "2",
+        "--mask-token-id", "1023", "--total-seq-len", "64", "--max-anchors", "6",
+        "--block-size", "4", "--num-layers", "1", "--markov-rank", "4",
+        "--loss-fn", '{"ce": 0.1, "tv": 0.9}', "--loss-chunk-tokens", "8",
+        "--data-path", str(save / "no-data"), "--save-path", str(save / "ckpt"),
+        "--dry-run", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The CompiledSteps of each compile_report call (the CLI prints, tests inspect)."""
+    seen: list[compile_report.CompiledSteps] = []
+    real = compile_report.compile_steps
+
+    def spy(trainer):
+        seen.append(real(trainer))
+        return seen[-1]
+
+    monkeypatch.setattr(compile_report, "compile_steps", spy)
+    return seen
+
+
+def expected_spec(names, shape, mesh) -> P:
+    """The logical-axis rule of each dimension; a dimension the mesh axes do not divide
+    stays replicated (docs/design.md, "Logical axis rules")."""
+    out = []
+    for name, dim in zip(names, shape, strict=True):
+        axis = LOGICAL_RULES[name] if name is not None else None
+        if axis is not None and dim % mesh.shape[axis]:
+            axis = None
+        out.append(axis)
+    return P(*out)
+
+
+def check_parameter_shardings(steps: compile_report.CompiledSteps, abstract) -> int:
+    """Every parameter's sharding in the compiled train and eval steps follows the
+    rules; returns how many parameters are split over some mesh axis."""
+    expected = {}
+    for path, var in nnx.to_flat_state(abstract):
+        names = var.get_metadata().get("out_sharding")
+        assert names, f"{path}: no logical axis names"
+        expected[path] = expected_spec(tuple(names), var.get_value().shape, steps.mesh)
+    split = 0
+    for compiled, params in (
+        (steps.train_compiled, steps.train_compiled.input_shardings[0][0]["params"]),
+        (steps.eval_compiled, steps.eval_compiled.input_shardings[0][0]),
+    ):
+        flat = dict(nnx.to_flat_state(params))
+        assert flat.keys() == expected.keys()
+        for path, want in expected.items():
+            got = flat[path].get_value()
+            ndim = len(want)
+            assert got.is_equivalent_to(jax.sharding.NamedSharding(steps.mesh, want), ndim), (
+                f"{'/'.join(map(str, path))}: compiled {got.spec}, rules say {want}"
+            )
+            split += compiled is steps.train_compiled and any(a is not None for a in want)
+    return split
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize(
+    "mesh, rows", [("fsdp=4", 4), ("data=2,fsdp=2", 8)], ids=["fsdp4", "data2_fsdp2"]
+)
+def test_compile_for_a_tpu_slice_reports_memory_and_shards_by_the_rules(
+    verifier, tmp_path, capsys, captured, mesh, rows
+):
+    if why := _libtpu_missing():
+        pytest.skip(why)
+    argv = tiny_compile_argv(
+        verifier, tmp_path, "--compile-for", "tpu:v5e:2x2", "--mesh", mesh,
+        "--rows-per-step", str(rows),
+    )  # fmt: skip
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    [steps] = captured
+    sizes = dict(steps.mesh.shape)
+    assert sizes == flags_mesh(mesh)
+    assert {d.device_kind for d in steps.mesh.devices.flat} == {"TPU v5 lite"}
+    assert steps.target.chips == 4 and steps.target.memory_per_device == 16 * 10**9
+    assert steps.fits and steps.rows_per_step == rows
+
+    # The report's fields, per chip, for both steps.
+    header = next(line for line in out.splitlines() if line.startswith("[compile] compiled"))
+    assert f"tpu:v5e:2x2 (4 devices, TPU v5 lite): mesh {sizes}" in header
+    assert f"{rows} rows of 64 tokens per step ({rows // 4} per chip)" in header
+    for step in (steps.train, steps.eval):
+        assert step.error is None
+        assert step.arguments > 0 and step.outputs > 0 and step.temporaries >= 0
+        line = next(x for x in out.splitlines() if x.startswith(f"[compile] {step.name} step per"))
+        gib = f"{step.total / 2**30:.2f} GiB of 14.90 GiB"
+        assert gib in line and line.endswith(": fits"), line
+        coll = next(x for x in out.splitlines() if x.startswith(f"[compile] {step.name} step coll"))
+        assert step.collectives and all(f"{k} {v}" in coll for k, v in step.collectives.items())
+    # Donation: the new state is written over the old; the eval step holds the optimizer.
+    assert steps.train.aliased > 0 and steps.train.outputs >= steps.train.aliased
+    assert steps.eval.aliased == 0 and steps.eval.resident > 0
+    # FSDP gathers weights; gradients of the data-parallel rows are reduced.
+    assert steps.train.collectives.get("all-gather", 0) > 0
+    assert (
+        steps.train.collectives.get("all-reduce", 0)
+        + steps.train.collectives.get("reduce-scatter", 0)
+        > 0
+    )
+    assert out.splitlines()[-1] == (
+        f"[compile] fits: tpu:v5e:2x2 with --mesh {','.join(f'{k}={v}' for k, v in sizes.items())}"
+        f" and --rows-per-step {rows}"
+    )
+    # Nothing initialised or written: shapes only.
+    assert not (tmp_path / "ckpt").exists()
+
+    # Each parameter's compiled input sharding is what the logical-axis rules give.
+    trainer = train.Trainer(flags.resolve(argv), devices=list(steps.mesh.devices.flat))
+    assert check_parameter_shardings(steps, trainer.abstract_state()[1]) > 0
+    # Rows over (data, fsdp); the heads' embed dim over fsdp.
+    batch_sh = steps.train_compiled.input_shardings[0][2]["input_ids"]
+    assert batch_sh.is_equivalent_to(jax.sharding.NamedSharding(steps.mesh, P(("data", "fsdp"))), 2)
+    head_sh = steps.train_compiled.input_shardings[0][1].lm_head
+    assert head_sh.is_equivalent_to(jax.sharding.NamedSharding(steps.mesh, P("fsdp", None)), 2)
+
+
+def flags_mesh(spec: str) -> dict[str, int]:
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    sizes.update({k: int(v) for k, v in (p.split("=") for p in spec.split(","))})
+    return sizes
+
+
+def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
+    """Over the memory, or refused by the compiler (out of HBM): 'does not fit', status 1."""
+    mesh = parallel.make_mesh("fsdp=1", jax.devices()[:1])
+    target = compile_target.Target("tpu:v5e:2x2", (jax.devices()[0],), 1000, "test", chips=1)
+    train_mem = compile_report.StepMemory("train", arguments=600, temporaries=500, outputs=10)
+    oom = compile_report.StepMemory("eval", error="RESOURCE_EXHAUSTED: Ran out of memory in hbm")
+    steps = compile_report.CompiledSteps(target, mesh, 1, train_mem, oom, None, None)
+    assert train_mem.total == 1110 and not steps.fits
+    args = types.SimpleNamespace(
+        total_seq_len=64, loss_chunk_tokens=8, gradient_checkpointing=False
+    )
+    monkeypatch.setattr(compile_report, "compile_steps", lambda trainer: steps)
+    assert compile_report.compile_report(types.SimpleNamespace(args=args)) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].endswith("total 0.00 GiB of 0.00 GiB (test): does not fit")
+    assert out[3] == (
+        "[compile] eval step: does not fit: the compiler ran out of memory: "
+        "RESOURCE_EXHAUSTED: Ran out of memory in hbm"
+    )
+    assert out[-1].startswith("[compile] does not fit: tpu:v5e:2x2 with --mesh")
+
+
+def test_collectives_are_counted_from_optimised_hlo():
+    hlo = """
+  %all-gather-start.1 = (f32[2]{0}, f32[8]{0}) all-gather-start(f32[2]{0} %p), dimensions={0}
+  %all-gather-done.1 = f32[8]{0} all-gather-done((f32[2]{0}, f32[8]{0}) %all-gather-start.1)
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%add
+  %rs.2 = f32[2]{0} reduce-scatter(f32[8]{0} %y), dimensions={0}
+  %cp = f32[2]{0} collective-permute(f32[2]{0} %z), source_target_pairs={{0,1}}
+  %fusion = f32[8]{0} fusion(f32[8]{0} %ar), kind=kLoop, calls=%all-reduce-like
+"""
+    assert compile_report.collectives(hlo) == {
+        "all-gather": 1,
+        "all-reduce": 1,
+        "collective-permute": 1,
+        "reduce-scatter": 1,
+    }
+
+
+def test_compile_for_local_reports_the_local_devices(verifier, tmp_path, capsys, captured):
+    argv = tiny_compile_argv(verifier, tmp_path, "--compile-for", "local", "--mesh", "fsdp=8")
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    [steps] = captured
+    assert steps.target.chips == len(jax.devices()) == 8
+    assert steps.target.memory_source == "host RAM / 8 devices"
+    assert re.search(r"\[compile\] train step per chip: arguments .* total .* GiB of", out)
+    assert out.splitlines()[-1].startswith("[compile] fits: local with --mesh data=1,fsdp=8")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--compile-for", "local"], "error: --compile-for local compiles the steps without "
+         "training: add --dry-run"),
+        (["--dry-run", "--compile-for", "tpu:v9x:2x2"], "error: --compile-for 'tpu:v9x:2x2': "
+         "expected 'local', 'tpu:<generation>:<topology>'"),
+        (["--dry-run", "--compile-for", "gpu:a100:8"], "error: --compile-for gpu:a100:8: "
+         "'a100' is neither a GPU preset (h100, h200) nor a readable target-config file"),
+    ],
+    ids=["without-dry-run", "bad-target", "unknown-gpu"],
+)  # fmt: skip
+def test_compile_for_errors_are_one_line(verifier, tmp_path, capsys, extra, message):
+    argv = [a for a in tiny_compile_argv(verifier, tmp_path) if a != "--dry-run"] + extra
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err, err
+
+
+def test_compile_for_a_tpu_without_libtpu_names_the_extra(verifier, tmp_path, capsys, monkeypatch):
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "get_tpu_library_path", lambda: None)
+    compile_target.resolve.cache_clear()
+    try:
+        argv = tiny_compile_argv(verifier, tmp_path, "--compile-for", "tpu:v5p:2x2x1")
+        assert train.main(argv) == 2
+    finally:
+        compile_target.resolve.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == f"error: --compile-for tpu:v5p:2x2x1 needs libtpu, from {compile_target.TPU_EXTRA}"
+    )
+    assert "[tpu]" in err
+
+
+def test_compile_for_a_gpu_without_the_cuda_plugin_names_the_extra(
+    verifier, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(compile_target.importlib.util, "find_spec", lambda name: None)
+    compile_target.resolve.cache_clear()
+    try:
+        argv = tiny_compile_argv(verifier, tmp_path, "--compile-for", "gpu:h200:8")
+        assert train.main(argv) == 2
+    finally:
+        compile_target.resolve.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"error: --compile-for gpu:h200:8 needs the CUDA plugin, from {compile_target.CUDA_EXTRA}"
+    )
+
+
+def test_gpu_presets_are_target_configs_with_their_memory():
+    text = compile_target.gpu_target_config("h200")
+    assert "device_memory_size: 141000000000" in text and "core_count: 132" in text
+    assert 'platform_name: "CUDA"' in text and "major: 9" in text
