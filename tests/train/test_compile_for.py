@@ -8,7 +8,9 @@ installs the extra) such a skip fails the run (tests/conftest.py).
 from __future__ import annotations
 
 import re
+import shlex
 import types
+from pathlib import Path
 
 import jax
 import pytest
@@ -19,6 +21,8 @@ from dspark_jax import parallel
 from dspark_jax.parallel import LOGICAL_RULES
 from dspark_jax.train import compile_report, compile_target, flags
 from dspark_jax.train import trainer as train
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _libtpu_missing() -> str | None:
@@ -264,3 +268,40 @@ def test_gpu_presets_are_target_configs_with_their_memory():
     text = compile_target.gpu_target_config("h200")
     assert "device_memory_size: 141000000000" in text and "core_count: 132" in text
     assert 'platform_name: "CUDA"' in text and "major: 9" in text
+
+
+@pytest.mark.filterwarnings("ignore:--on-generate is deprecated")
+def test_kimi_k3_config_holds_the_seed_runs_training_flags(monkeypatch):
+    """configs/kimi_k3/train.yaml resolves as the seed command (docs/seed_run.md, §4)
+    does, but for the paths and the extractor's addresses."""
+    from tests.train.test_cli import SEED_FLAGS
+
+    monkeypatch.chdir(ROOT)
+    from_file = flags.resolve(["--config", "configs/kimi_k3/train.yaml"]).values
+    seed = flags.resolve(
+        shlex.split(
+            SEED_FLAGS.format(verifier="v", draft_config="d.json", data="data", save="save")
+        )
+    ).values
+    own = {"verifier_name_or_path", "draft_config", "data_path", "save_path", "on_generate"}
+    own |= {"mooncake_master", "vllm_endpoint"}
+    differ = {k for k in seed if seed[k] != from_file[k]} - own
+    assert not differ, {k: (seed[k], from_file[k]) for k in differ}
+
+
+def test_kimi_k3_config_builds_the_published_drafter_from_config_files_only(monkeypatch):
+    """From a fresh clone: the stand-in verifier has no weights and no data exists, yet the
+    run resolves to the Kimi-K3 drafter (docs/seed_run.md: ~2.4B trainable parameters)."""
+    monkeypatch.chdir(ROOT)
+    args = flags.resolve(["--config", "configs/kimi_k3/train.yaml", "--dry-run"])
+    trainer = train.Trainer(args, devices=jax.devices()[:1])
+    cfg = trainer.cfg
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (5, 7168, 14336)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (96, 16, 64)
+    assert (cfg.vocab_size, cfg.draft_vocab_size, cfg.verifier_hidden_size) == (163840,) * 2 + (
+        7168,
+    )
+    assert cfg.aux_hidden_state_layer_ids == (24, 48, 72, 88, 92)
+    n = sum(x.size for x in jax.tree.leaves(trainer.abstract_state()[1]))
+    assert n == 2_396_090_241
+    assert not list((ROOT / "configs" / "kimi_k3" / "verifier").glob("*.safetensors"))
