@@ -305,3 +305,15 @@ def test_kimi_k3_config_builds_the_published_drafter_from_config_files_only(monk
     n = sum(x.size for x in jax.tree.leaves(trainer.abstract_state()[1]))
     assert n == 2_396_090_241
     assert not list((ROOT / "configs" / "kimi_k3" / "verifier").glob("*.safetensors"))
+
+
+def test_compile_for_a_reduced_vocabulary_needs_no_vocab_maps(verifier, tmp_path):
+    """Shapes only: without the data's d2t/t2d, --compile-for compiles with stand-in maps
+    of the same sizes; a training run (or a plain --dry-run) still needs the real ones."""
+    argv = tiny_compile_argv(verifier, tmp_path, "--draft-vocab-size", "512")
+    with pytest.raises(flags.ConfigError, match="draft_vocab_size=512 needs vocab maps"):
+        train.Trainer(flags.resolve(argv))
+    trainer = train.Trainer(flags.resolve([*argv, "--compile-for", "local"]))
+    d2t, t2d = trainer.setup.vocab_maps
+    assert trainer.cfg.draft_vocab_size == 512 and d2t.shape == (512,) and t2d.sum() == 512
+    assert not (tmp_path / "no-data").exists()  # nothing cached into a data folder
