@@ -317,3 +317,26 @@ def test_compile_for_a_reduced_vocabulary_needs_no_vocab_maps(verifier, tmp_path
     d2t, t2d = trainer.setup.vocab_maps
     assert trainer.cfg.draft_vocab_size == 512 and d2t.shape == (512,) and t2d.sum() == 512
     assert not (tmp_path / "no-data").exists()  # nothing cached into a data folder
+
+
+def test_compile_for_gpus_without_a_gpu(verifier, tmp_path, capsys, captured):
+    """The CUDA plugin's deviceless path (docs/tpu.md, "GPU targets"); runs where the
+    plugin is installed (the cuda or cuda-compile extra), which CI does not do."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        pytest.skip("needs the CUDA plugin: the cuda-compile extra")
+    argv = tiny_compile_argv(
+        verifier, tmp_path, "--compile-for", "gpu:h200:2x2", "--mesh", "data=2,fsdp=2"
+    )
+    assert train.main(argv) == 0
+    [steps] = captured
+    assert {d.device_kind for d in steps.mesh.devices.flat} == {"NVIDIA H200"}
+    assert steps.target.chips == 4 and steps.target.memory_per_device == 141 * 10**9
+    assert steps.fits and steps.train.arguments > 0 and steps.train.collectives
+    assert check_parameter_shardings(steps, train.Trainer(
+        flags.resolve(argv), devices=list(steps.mesh.devices.flat)
+    ).abstract_state()[1]) > 0  # fmt: skip
+    assert (
+        "[compile] fits: gpu:h200:2x2 with --mesh data=2,fsdp=2,tensor=1" in capsys.readouterr().out
+    )
