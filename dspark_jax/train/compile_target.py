@@ -198,6 +198,13 @@ def gpu_target_config(preset: str) -> str:
     )
 
 
+def cuda_plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ImportError:  # no jax_plugins package at all
+        return False
+
+
 def _gpu(spec: str, topology: str) -> Target:
     """Compile-only CUDA devices from a target config (jax's deviceless AOT path:
     ``get_topology_desc(platform="cuda", target_config=..., topology="1x<nodes>x<gpus>")``,
@@ -217,11 +224,7 @@ def _gpu(spec: str, topology: str) -> Target:
     size = re.search(r"device_memory_size:\s*(\d+)", config)
     if size is None:
         raise ConfigError(f"--compile-for {spec}: the target config has no device_memory_size")
-    try:
-        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ImportError:
-        found = False
-    if not found:
+    if not cuda_plugin_installed():
         raise ConfigError(f"--compile-for {spec} needs the CUDA plugin, from {CUDA_EXTRA}")
     from jax.experimental import topologies
 

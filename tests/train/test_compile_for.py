@@ -250,7 +250,7 @@ def test_compile_for_a_tpu_without_libtpu_names_the_extra(verifier, tmp_path, ca
 def test_compile_for_a_gpu_without_the_cuda_plugin_names_the_extra(
     verifier, tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.setattr(compile_target.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(compile_target, "cuda_plugin_installed", lambda: False)
     compile_target.resolve.cache_clear()
     try:
         argv = tiny_compile_argv(verifier, tmp_path, "--compile-for", "gpu:h200:8")
@@ -322,9 +322,7 @@ def test_compile_for_a_reduced_vocabulary_needs_no_vocab_maps(verifier, tmp_path
 def test_compile_for_gpus_without_a_gpu(verifier, tmp_path, capsys, captured):
     """The CUDA plugin's deviceless path (docs/tpu.md, "GPU targets"); runs where the
     plugin is installed (the cuda or cuda-compile extra), which CI does not do."""
-    import importlib.util
-
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not compile_target.cuda_plugin_installed():
         pytest.skip("needs the CUDA plugin: the cuda-compile extra")
     argv = tiny_compile_argv(
         verifier, tmp_path, "--compile-for", "gpu:h200:2x2", "--mesh", "data=2,fsdp=2"
