@@ -68,6 +68,9 @@ def cpu_only_without_accelerator() -> None:
     """
     if "JAX_PLATFORMS" not in os.environ and not _has_accelerator():
         os.environ["JAX_PLATFORMS"] = "cpu"
+        jax = sys.modules.get("jax")
+        if jax is not None:  # imported already: it read the environment then
+            jax.config.update("jax_platforms", "cpu")
 
 
 def guarded(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ installs the extra) such a skip fails the run (tests/conftest.py).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import types
@@ -338,3 +339,26 @@ def test_compile_for_gpus_without_a_gpu(verifier, tmp_path, capsys, captured):
     assert (
         "[compile] fits: gpu:h200:2x2 with --mesh data=2,fsdp=2,tensor=1" in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("accelerator, preset", [(False, None), (True, None), (False, "tpu")])
+def test_commands_use_the_cpu_backend_on_machines_without_an_accelerator(
+    monkeypatch, accelerator, preset
+):
+    """With libtpu installed (the tpu extra) JAX would try a TPU backend first and print
+    libtpu's errors; on a machine with neither TPU nor GPU every command asks for CPU,
+    in the environment and, as JAX is imported already, in its config."""
+    from dspark_jax import cli
+
+    if preset is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", preset)
+    monkeypatch.setattr(cli, "_has_accelerator", lambda: accelerator)
+    updates = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+    assert cli.guarded(lambda argv: 0, []) == 0
+    if accelerator or preset:
+        assert os.environ.get("JAX_PLATFORMS") == preset and updates == []
+    else:
+        assert os.environ["JAX_PLATFORMS"] == "cpu" and updates == [("jax_platforms", "cpu")]
