@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -362,3 +363,19 @@ def test_commands_use_the_cpu_backend_on_machines_without_an_accelerator(
         assert os.environ.get("JAX_PLATFORMS") == preset and updates == []
     else:
         assert os.environ["JAX_PLATFORMS"] == "cpu" and updates == [("jax_platforms", "cpu")]
+
+
+@pytest.mark.tpu
+def test_the_seed_mesh_fits_a_v5p_128_by_splitting_a_physical_axis():
+    """data=8,fsdp=8 on a 4x4x4 v5p: 8 is no product of the physical axes (4, 4, 4), which
+    jax.make_mesh refuses outside v5e; the mesh splits one instead."""
+    if why := _libtpu_missing():
+        pytest.skip(why)
+    devices = compile_target.resolve("tpu:v5p:4x4x4").devices
+    mesh = parallel.make_mesh("data=8,fsdp=8", list(devices))
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 8, "tensor": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+    # Each data-parallel group of 8 is a 2x4 block of neighbouring chips, not scattered.
+    for group in mesh.devices.reshape(8, 8):
+        coords = np.array([d.coords for d in group])
+        assert np.prod(np.ptp(coords, axis=0) + 1) == 8
