@@ -18,13 +18,13 @@ mkdir -p "$OUT"
 ROWS=(
   "v5p-8_fsdp4_r4 tpu:v5p:2x2x1 fsdp=4 4"
   "v5p-8_fsdp4_r8 tpu:v5p:2x2x1 fsdp=4 8"
+  "v5p-8_fsdp4_r4_chunk256 tpu:v5p:2x2x1 fsdp=4 4 --loss-chunk-tokens 256"
+  "v5p-8_fsdp4_r4_remat tpu:v5p:2x2x1 fsdp=4 4 --gradient-checkpointing"
   "v5p-128_seed_d8f8_r64 tpu:v5p:4x4x4 data=8,fsdp=8 64"
   "v6e-8_fsdp8_r8 tpu:v6e:2x4 fsdp=8 8"
-  "v5e-16_fsdp4_tensor4_r16 tpu:v5e:4x4 fsdp=4,tensor=4 16"
+  "v6e-8_fsdp8_r8_remat tpu:v6e:2x4 fsdp=8 8 --gradient-checkpointing"
+  "v5e-16_fsdp16_r16_remat tpu:v5e:4x4 fsdp=16 16 --gradient-checkpointing"
   "v5p-16_fsdp8_r16 tpu:v5p:2x2x2 fsdp=8 16"
-  "v6e-8_fsdp4_tensor2_r8 tpu:v6e:2x4 fsdp=4,tensor=2 8"
-  "v5e-16_fsdp16_r16 tpu:v5e:4x4 fsdp=16 16"
-  "v6e-16_fsdp16_r16 tpu:v6e:4x4 fsdp=16 16"
 )
 
 for row in "${ROWS[@]}"; do

@@ -6,8 +6,10 @@
   ``tpu:v4:2x2x1``): compile-only devices of that slice from libtpu
   (``jax.experimental.topologies.get_topology_desc``), on any machine with the ``tpu``
   extra; HBM per chip from the cited table in docs/tpu.md ("HBM per chip").
-* ``gpu:...``: refused in one line; the CUDA plugin of jax 0.10.2 needs a GPU to
-  build a topology (docs/tpu.md, "GPU targets").
+* ``gpu:<h100|h200|target-config file>:<GPUs per node>[x<nodes>]``: compile-only CUDA
+  devices from XLA's description of the GPU, on any machine with the CUDA plugin (the
+  ``cuda-compile`` extra); memory = the description's ``device_memory_size``
+  (docs/tpu.md, "GPU targets").
 """
 
 from __future__ import annotations
@@ -48,14 +50,10 @@ class Target:
     """Where the steps are compiled for."""
 
     spec: str  # the flag's value
-    devices: tuple  # jax devices (compile-only for a TPU topology)
+    devices: tuple  # jax devices (compile-only for a TPU or GPU target)
     memory_per_device: int  # bytes
     memory_source: str  # what memory_per_device is, for the report
     chips: int
-
-    @property
-    def name(self) -> str:
-        return self.spec
 
 
 def parse(spec: str) -> tuple[str, str]:
@@ -99,11 +97,10 @@ def _local(spec: str) -> Target:
 
 @contextlib.contextmanager
 def _quiet_libtpu_start():
-    """Away from a TPU VM, libtpu's start-up logs (from C++, on fd 2) only say that there
-    is no TPU metadata here; drop them. On a TPU VM (a Google PCI device) they stay.
-
-    There, too, libtpu's lock on /tmp/libtpu_lockfile (one process per TPU host) guards
-    no chip, so compiles may run side by side (ALLOW_MULTIPLE_LIBTPU_LOAD)."""
+    """Away from a TPU VM (no Google PCI device), libtpu's start-up logs (from C++, on
+    fd 2) only say that there is no TPU metadata here: dropped; and its lock on
+    /tmp/libtpu_lockfile (one process per TPU host) guards no chip: lifted, so compiles
+    may run side by side (ALLOW_MULTIPLE_LIBTPU_LOAD). On a TPU VM both stay."""
     from dspark_jax.cli import google_pci_device
 
     if google_pci_device():
