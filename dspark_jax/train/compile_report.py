@@ -227,7 +227,9 @@ def _gib(n: int) -> str:
 def report_lines(c: CompiledSteps, args) -> list[str]:
     t = c.target
     mesh = dict(c.mesh.shape)
-    chips = f"{t.chips} chips" if t.chips != len(t.devices) else f"{t.chips} devices"
+    chips = f"{len(t.devices)} devices" + (
+        f" on {t.chips} chips" if t.chips != len(t.devices) else ""
+    )
     lines = [
         (
             f"compiled for {t.spec} ({chips}, {t.devices[0].device_kind}): mesh {mesh}, "
@@ -252,7 +254,7 @@ def report_lines(c: CompiledSteps, args) -> list[str]:
         verdict = "fits" if s.total <= limit else "does not fit"
         lines.append(
             f"{s.name} step per chip: arguments {_gib(s.arguments)}, temporaries "
-            f"{_gib(s.temporaries)}, outputs {_gib(s.outputs)} {' '.join(extra)}; total "
+            f"{_gib(s.temporaries)}, {' '.join([f'outputs {_gib(s.outputs)}', *extra])}; total "
             f"{_gib(s.total)} of {_gib(limit)} ({t.memory_source}): {verdict}"
         )
         coll = ", ".join(f"{k} {v}" for k, v in s.collectives.items()) or "none"
