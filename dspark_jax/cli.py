@@ -9,13 +9,17 @@ No JAX here: launch/ imports this module too.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "DSPARK_DEBUG"
 MAX_CHARS = 2000  # tensorstore appends kilobytes of spec to its messages
+GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (jax/_src/hardware_utils.py)
+GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
 
 
 def debug_enabled(argv: Sequence[str] = ()) -> bool:
@@ -40,6 +44,35 @@ def reraise_if_debug() -> None:
         raise  # the exception being handled by the caller
 
 
+def google_pci_device() -> bool:
+    """A Google device (a TPU chip, or a gVNIC) on the PCI bus: jax's own probe
+    (``jax/_src/hardware_utils.py``), without importing JAX."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if Path(vendor).read_text().strip() == GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _has_accelerator() -> bool:
+    return google_pci_device() or any(os.path.exists(d) for d in GPU_DEVICE_NODES)
+
+
+def cpu_only_without_accelerator() -> None:
+    """``JAX_PLATFORMS=cpu`` on a machine without TPU or GPU, unless the user set it.
+
+    With the ``tpu`` extra installed, JAX would otherwise try libtpu's backend first and
+    print its failure to stderr (a few lines, every command); CPU is what it ends on.
+    """
+    if "JAX_PLATFORMS" not in os.environ and not _has_accelerator():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax = sys.modules.get("jax")
+        if jax is not None:  # imported already: it read the environment then
+            jax.config.update("jax_platforms", "cpu")
+
+
 def guarded(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` (``--debug`` removed); an escaping exception -> one line, status 1.
 
@@ -53,6 +86,7 @@ def guarded(main: Callable[[list[str]], int], argv: Sequence[str] | None = None)
         os.environ[DEBUG_ENV] = "1"
     cut = argv.index("--") if "--" in argv else len(argv)
     argv = [a for a in argv[:cut] if a != DEBUG_FLAG] + argv[cut:]
+    cpu_only_without_accelerator()
     try:
         return main(argv)
     except KeyboardInterrupt:

@@ -82,9 +82,18 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> jax.
     devices = jax.devices() if devices is None else devices
     sizes = parse_mesh(spec, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
-    )
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except (ValueError, NotImplementedError) as e:
+        if "allow_split_physical_axes" not in str(e):
+            raise
+    # An axis that is no product of the slice's physical axes (data=8 on a 4x4x4 v5p):
+    # split a physical axis, as jax.make_mesh itself does on v5e only.
+    from jax.experimental import mesh_utils
+
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def _fit(spec: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:

@@ -5,7 +5,8 @@ rules that keep a broken install from passing with fewer tests.
   ``reference`` extra) is skipped, not errored, where those are not installed.
 * Under ``CI=true`` (.ci/run exports it) such a skip fails the run instead, and so
   does a skipped ``mooncake`` test (a real Mooncake store) where libibverbs.so.1 is
-  installed, and a test module skipped whole: CI installs every extra, so a skip
+  installed, a skipped ``tpu`` test (it compiles for a TPU topology: libtpu, the
+  ``tpu`` extra), and a test module skipped whole: CI installs every extra, so a skip
   there means a broken install.
 * A skip for want of speculators / hs_connectors in a test *not* marked
   ``reference`` fails under CI=true and in the blocked run (tests/block_reference/),
@@ -91,6 +92,8 @@ def _item_skip_is_failure(item: pytest.Item, reason: str) -> str | None:
         return None
     if (CI or blocked) and _names_reference_package(reason):
         return "this test needs speculators/hs_connectors: mark it @pytest.mark.reference"
+    if CI and item.get_closest_marker("tpu"):
+        return "a test marked 'tpu' was skipped under CI=true (libtpu, the tpu extra, missing?)"
     if CI and item.get_closest_marker("mooncake") and _has_libibverbs():
         return "a real-Mooncake test was skipped under CI=true though libibverbs.so.1 is installed"
     return None

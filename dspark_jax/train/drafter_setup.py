@@ -488,7 +488,16 @@ def _vocab_maps(args: TrainArgs, vocab_size: int):
             token_freq_path=args.token_freq_path,
         )
     except VocabError as e:
-        raise ConfigError(str(e)) from None
+        if not (args.compile_for and args.draft_vocab_size and args.d2t_path is None):
+            raise ConfigError(str(e)) from None
+        # --compile-for needs the maps' shapes only: stand-in maps (the first Vd tokens).
+        from dspark_jax.data.vocab import build_vocab_maps
+
+        log.info("--compile-for: no vocab maps (%s); compiling with stand-in maps", e)
+        try:
+            return build_vocab_maps({}, args.draft_vocab_size, vocab_size)
+        except VocabError:
+            raise ConfigError(str(e)) from None
 
 
 def _pretrained(args: TrainArgs) -> DraftSetup:

@@ -63,21 +63,14 @@ def _data_report(args: flags.TrainArgs) -> str:
     return f"data: {n} rows in {data}; {len(missing)} without a hidden-state file in {hs}"
 
 
-def dry_run(trainer: PlannedRun) -> int:
+def _drafter_lines(trainer: PlannedRun, params) -> list[str]:
+    """Geometry, vocabulary and parameter counts (``params``: arrays or shapes)."""
     args, cfg = trainer.args, trainer.cfg
-    save = Path(args.save_path)
-    if trainer.is_main:
-        args.save(save)
-    _, abstract = trainer.abstract_state()
-    # On one device: the weights go to the host anyway, and a mesh would generate
-    # every replicated parameter once per device.
-    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    host = to_host(trainer.init_params(jax.tree.map(lambda _: one, abstract)))
-    keys = set(optim.muon_param_keys(host)) if args.optimizer == "muon" else set()
-    sizes = {p: int(np.prod(v[...].shape)) for p, v in nnx.to_flat_state(host)}
+    keys = set(optim.muon_param_keys(params)) if args.optimizer == "muon" else set()
+    sizes = {p: int(np.prod(v.get_value().shape)) for p, v in nnx.to_flat_state(params)}
     total = sum(sizes.values())
     n_muon = sum(n for p, n in sizes.items() if leaf_key(p)[0] in keys)
-    lines = [
+    return [
         (
             f"drafter from {trainer.setup.source}: {cfg.num_hidden_layers} layers, hidden "
             f"{cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x "
@@ -96,6 +89,29 @@ def dry_run(trainer: PlannedRun) -> int:
             f"trainable parameters: {total:,} ({args.optimizer}: Muon {n_muon:,} in "
             f"{len(keys)} matrices, AdamW {total - n_muon:,})"
         ),
+    ]
+
+
+def dry_run(trainer: PlannedRun) -> int:
+    args = trainer.args
+    if args.compile_for:  # shapes only: no weights, no data, nothing written
+        from dspark_jax.train.compile_report import compile_report
+
+        if trainer.is_main:
+            for line in _drafter_lines(trainer, trainer.abstract_state()[1]):
+                print(f"[dry-run] {line}", flush=True)
+        return compile_report(trainer)
+    cfg = trainer.cfg
+    save = Path(args.save_path)
+    if trainer.is_main:
+        args.save(save)
+    _, abstract = trainer.abstract_state()
+    # On one device: the weights go to the host anyway, and a mesh would generate
+    # every replicated parameter once per device.
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    host = to_host(trainer.init_params(jax.tree.map(lambda _: one, abstract)))
+    lines = [
+        *_drafter_lines(trainer, host),
         (
             f"mesh {dict(trainer.mesh.shape)} over {trainer.mesh.size} devices "
             f"({jax.process_count()} processes); {trainer.rows_per_step} packed rows of "

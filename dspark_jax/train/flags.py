@@ -326,6 +326,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("mesh", "jax", None,
        help="Device mesh, e.g. 'data=2,fsdp=2,tensor=2' (one axis may be -1); default: every "
        "device on fsdp."),
+    _f("compile_for", "jax", None,
+       help="With --dry-run: compile the train and eval steps for a target instead of "
+       "initialising the drafter, and report per-chip memory against its HBM, the "
+       "collectives and whether it fits (exit 1 if not); no verifier weights or data are "
+       "read. 'local' (this machine's devices), 'tpu:<topology>' e.g. tpu:v5p:2x2x2, "
+       "tpu:v5e:4x4 (needs the tpu extra); docs/tpu.md."),
     _f("rows_per_step", "jax", None, int,
        "Packed rows per optimizer step over all devices (default: one per data-parallel "
        "device, like the reference's one row per GPU); a multiple of data x fsdp."),
@@ -684,6 +690,15 @@ def validate(args: TrainArgs) -> None:
         raise ConfigError(f"--train-data-ratio must be in (0, 1), got {v['train_data_ratio']}")
     if v["num_workers"] < 0 or v["prefetch_factor"] < 0:
         raise ConfigError("--num-workers and --prefetch-factor must be >= 0")
+    if v["compile_for"] is not None:
+        if not v["dry_run"]:
+            raise ConfigError(
+                f"--compile-for {v['compile_for']} compiles the steps without training: add "
+                "--dry-run"
+            )
+        from dspark_jax.train.compile_target import parse
+
+        parse(v["compile_for"])
     if v["rows_per_step"] is not None and v["rows_per_step"] < 1:
         raise ConfigError(f"--rows-per-step must be >= 1, got {v['rows_per_step']}")
     from dspark_jax.losses import parse_loss_fn

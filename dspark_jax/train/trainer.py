@@ -735,6 +735,10 @@ def run(
     store_factory: Callable[[], Any] | None = None,
 ) -> int:
     """Train (or --dry-run) with resolved args; returns the exit status."""
+    if devices is None and args.dry_run and args.compile_for:  # the mesh's devices
+        from dspark_jax.train.compile_target import resolve
+
+        devices = list(resolve(args.compile_for).devices)
     return Trainer(
         args, devices=devices, step_callback=step_callback, store_factory=store_factory
     ).run()
