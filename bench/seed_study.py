@@ -208,6 +208,7 @@ def cmd_anchors(ns) -> None:
 
 # ------------------------------------------------------------------ table
 KEYS = ("loss", "accept_len", "full_acc")
+IMPLS = ("ours", "ours_initfix", "reference")
 
 
 def _ours_records(run: Path):
@@ -263,13 +264,19 @@ def _windows(train, width=100):
 
 def cmd_table(ns) -> None:
     runs = Path(ns.runs)
-    impls = {"ours": ("baseline", _ours_records), "reference": ("reference", _reference_records)}
+    impls = {
+        "ours": ("baseline", _ours_records),
+        "ours_initfix": ("initfix", _ours_records),
+        "reference": ("reference", _reference_records),
+    }
     result = {}
     for impl, (prefix, reader) in impls.items():
         per_seed = {}
         for seed in ns.seeds:
             run = runs / f"{prefix}_s{seed}"
             if not run.exists():
+                continue
+            if not ns.partial and not (run / "DONE").exists():
                 continue
             val, train = reader(run)
             per_seed[seed] = {
@@ -305,7 +312,9 @@ def markdown(summary, result, seeds) -> str:
         lines.append("| | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± std | range |")
         lines.append("| --- " * (len(seeds) + 3) + "|")
         for key in ("loss", "accept_len", "full_acc"):
-            for impl in ("ours", "reference"):
+            for impl in IMPLS:
+                if not summary.get(impl, {}).get(e):
+                    continue
                 cell = summary.get(impl, {}).get(e, {}).get(key)
                 per = [
                     result[impl].get(s, {}).get("val", {}).get(e, {}).get(key) for s in seeds
@@ -322,10 +331,25 @@ def markdown(summary, result, seeds) -> str:
             lines.append("\nPer-position acceptance (mean over seeds):\n")
             lines.append("| | " + " | ".join(k.split("_")[1] for k in pos_keys) + " |")
             lines.append("| --- " * (len(pos_keys) + 1) + "|")
-            for impl in ("ours", "reference"):
+            for impl in IMPLS:
+                if not summary.get(impl, {}).get(e):
+                    continue
                 cells = [summary.get(impl, {}).get(e, {}).get(k) for k in pos_keys]
                 row = ["-" if c is None else f"{c['mean']:.3f}" for c in cells]
                 lines.append(f"| {impl} | " + " | ".join(row) + " |")
+    lines.append("\nTraining metrics, 100-step windows (mean over the window and the seeds):\n")
+    impls = [i for i in IMPLS if result.get(i)]
+    cols = [f"{k} {i}" for k in ("loss", "accept_len") for i in impls]
+    lines.append("| steps | " + " | ".join(cols) + " |")
+    lines.append("| --- " * (len(cols) + 1) + "|")
+    starts = sorted({w for i in impls for s in result[i].values() for w in s["windows"]})
+    for w in starts:
+        row = []
+        for k in ("loss", "accept_len"):
+            for i in impls:
+                xs = [s["windows"][w][k] for s in result[i].values() if w in s["windows"]]
+                row.append(_fmt(float(np.mean(xs)) if xs else None, 3))
+        lines.append(f"| {w}-{w + 99} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -346,6 +370,7 @@ def main() -> None:
     c.add_argument("--runs", default="/work/runs")
     c.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
     c.add_argument("--markdown", action="store_true")
+    c.add_argument("--partial", action="store_true", help="include runs without DONE")
     ns = p.parse_args()
     {"plan": cmd_plan, "anchors": cmd_anchors, "table": cmd_table}[ns.cmd](ns)
 
