@@ -13,6 +13,10 @@ Sub-commands (each prints JSON lines; none trains):
   (64-token bins) and per position inside the document, plus the count of anchors
   per row. Reports the largest relative gap between the two histograms and the
   gap expected from sampling noise alone (two independent draws of ours).
+* ``valnoise``: trained drafters (``--checkpoint`` Orbax save-paths or speculators
+  folders) scored on the validation rows under ``--keys`` anchor draws, the same draws
+  for every drafter: how much of a validation number is anchor sampling, and a paired
+  comparison of ours and the reference's drafters free of it.
 * ``table``: the 3 x 2 table from finished runs (``/work/runs/{baseline,reference}_s{seed}``):
   per-epoch validation loss, accept_len, full_acc, per-position acceptance, mean and
   spread (sample std and max-min) over seeds, and 100-step windows of the training
@@ -21,7 +25,9 @@ Sub-commands (each prints JSON lines; none trains):
 Usage:
   python bench/seed_study.py plan --data-path DIR [--seeds 42 1 2] [--epochs 2]
   python bench/seed_study.py anchors --data-path DIR [--seed 42] [--draws 20]
-  python bench/seed_study.py table [--runs /work/runs] [--seeds 42 1 2] [--markdown]
+  python bench/seed_study.py valnoise --data-path DIR --checkpoint RUN/checkpoints RUN2/model
+  python bench/seed_study.py table [--runs /work/runs] [--seeds 42 1 2] [--markdown] \
+      [--valnoise FILE.jsonl]
 
 The runs themselves: ``python -m dspark_jax.train --config configs/demo/train.yaml
 --data-path DIR --seed S --save-path RUN/checkpoints --log-dir RUN/logs --run-name NAME``
@@ -206,6 +212,58 @@ def cmd_anchors(ns) -> None:
     )  # fmt: skip
 
 
+# ------------------------------------------------------------------ valnoise
+def cmd_valnoise(ns) -> None:
+    """Validation metrics of one trained drafter under ``--keys`` anchor draws on the same
+    validation rows (epoch ``--epoch``'s plan): the part of a validation number's spread
+    that is anchor sampling, not training."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax import optim, parallel
+    from dspark_jax.convert.load import load_drafter
+    from dspark_jax.train import flags
+    from dspark_jax.train.metrics_log import normalize_counted_metrics
+    from dspark_jax.train.trainer import Trainer
+
+    argv = ["--config", ns.config, "--data-path", ns.data_path]
+    t = Trainer(flags.resolve(argv + ["--save-path", "/tmp/seed_study_unused"]))
+    t.data = t.open_data()
+    graphdef, abstract = t.abstract_state()
+    param_sh = parallel.state_shardings(abstract, t.mesh)
+    t.tx, _ = optim.build_optimizer_from_flags(abstract, t.args.values, 1)
+    opt_sh = parallel.state_shardings(jax.eval_shape(t.tx.init, abstract), t.mesh)
+    t.frozen = t.load_frozen()
+    frozen_sh = jax.tree.map(lambda x: x.sharding, t.frozen)
+    t._compile(graphdef, {"params": param_sh, "opt": opt_sh}, frozen_sh)
+    batches = []
+    it = t.data.val_iterator(epoch=ns.epoch, num_workers=0, prefetch=2)
+    for batch in it:
+        batch.pop("error_records")
+        batches.append(t._global(batch))
+    it.close()
+    for checkpoint in ns.checkpoint:
+        loaded = load_drafter(checkpoint)
+        assert loaded.cfg == t.cfg, f"{checkpoint} is not the config's drafter"
+        params = jax.tree.map(jnp.asarray, loaded.params)
+        out = []
+        for k in range(ns.keys):
+            acc = None
+            for i, batch in enumerate(batches):
+                # The "epoch" argument only selects the anchors' key stream here: draw k
+                # is the same for every checkpoint (paired comparison).
+                m = t.eval_step(params, t.frozen, batch, jnp.int32(1000 + k), jnp.int32(i))
+                acc = m if acc is None else jax.tree.map(jnp.add, acc, m)
+            host = {x: float(v) for x, v in jax.device_get(acc).items()}
+            out.append(normalize_counted_metrics(host))
+        keys = list(KEYS) + sorted(
+            (x for x in out[0] if x.startswith("position_")), key=lambda x: int(x.split("_")[1])
+        )
+        summary = {x: _ms([v[x] for v in out]) for x in keys}
+        line = {"piece": "valnoise", "checkpoint": checkpoint, "keys": ns.keys, "summary": summary}
+        print(json.dumps(line), flush=True)
+
+
 # ------------------------------------------------------------------ table
 KEYS = ("loss", "accept_len", "full_acc")
 IMPLS = ("ours", "ours_initfix", "reference")
@@ -296,9 +354,44 @@ def cmd_table(ns) -> None:
                 key=lambda k: int(k.split("_")[1]),
             )
             summary.setdefault(impl, {})[e] = {k: _ms([v.get(k) for v in vals]) for k in keys}
-    print(json.dumps({"table": summary, "runs": result}))
+    rescored = _rescored(ns.valnoise, impls) if ns.valnoise else {}
+    print(json.dumps({"table": summary, "runs": result, "rescored": rescored}))
     if ns.markdown:
         print(markdown(summary, result, ns.seeds))
+        if rescored:
+            print(markdown_rescored(rescored, ns.seeds))
+
+
+def _rescored(path, impls):
+    """valnoise lines -> {impl: {seed: summary}} (runs named PREFIX_sSEED)."""
+    prefixes = {prefix: impl for impl, (prefix, _) in impls.items()}
+    out: dict = {}
+    for line in open(path):
+        r = json.loads(line)
+        if "summary" not in r:
+            continue
+        run = next(p for p in Path(r["checkpoint"]).parts if "_s" in p)
+        prefix, seed = run.rsplit("_s", 1)
+        out.setdefault(prefixes[prefix], {})[int(seed)] = r["summary"]
+    return out
+
+
+def markdown_rescored(rescored, seeds) -> str:
+    lines = ["\nThe final drafters re-scored on the validation rows with the same anchor draws "]
+    lines[0] += "(mean over the draws; then mean ± sample std over seeds):\n"
+    lines.append("| | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± std | range |")
+    lines.append("| --- " * (len(seeds) + 3) + "|")
+    for key in KEYS:
+        for impl in IMPLS:
+            if impl not in rescored:
+                continue
+            per = [rescored[impl].get(s, {}).get(key, {}) for s in seeds]
+            vals = [p["mean"] for p in per if p]
+            ms = _ms(vals)
+            cells = [_fmt(p["mean"]) if p else "-" for p in per]
+            tail = f"{ms['mean']:.4f} ± {ms['std']:.4f} | {ms['range']:.4f}" if ms else "- | -"
+            lines.append(f"| {key} {impl} | " + " | ".join(cells) + f" | {tail} |")
+    return "\n".join(lines)
 
 
 def _fmt(x, nd=4):
@@ -371,8 +464,20 @@ def main() -> None:
     c.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
     c.add_argument("--markdown", action="store_true")
     c.add_argument("--partial", action="store_true", help="include runs without DONE")
+    c.add_argument("--valnoise", default=None, help="valnoise JSONL of the runs' drafters")
+    d = sub.add_parser("valnoise")
+    d.add_argument(
+        "--checkpoint", nargs="+", required=True, help="--save-paths (latest step) or folders"
+    )
+    d.add_argument("--data-path", required=True)
+    d.add_argument(
+        "--config", default=str(Path(__file__).resolve().parents[1] / "configs/demo/train.yaml")
+    )
+    d.add_argument("--keys", type=int, default=4)
+    d.add_argument("--epoch", type=int, default=1)
     ns = p.parse_args()
-    {"plan": cmd_plan, "anchors": cmd_anchors, "table": cmd_table}[ns.cmd](ns)
+    cmds = {"plan": cmd_plan, "anchors": cmd_anchors, "table": cmd_table, "valnoise": cmd_valnoise}
+    cmds[ns.cmd](ns)
 
 
 if __name__ == "__main__":
