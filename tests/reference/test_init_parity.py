@@ -30,7 +30,7 @@ from dspark_jax.model.params import to_speculators  # noqa: E402
 from launch.speculators_config import reference_config  # noqa: E402
 from tests.tiny_configs import base_config  # noqa: E402
 
-SEEDS = 12
+SEEDS = 8
 ALPHA = 1e-6
 
 
