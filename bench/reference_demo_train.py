@@ -17,7 +17,12 @@ directly, single process, CPU, fp32, mirroring ``speculators/train/cli.py:main``
   scheduler step; validation sums metrics, divides by the batch count, normalises.
 
 Usage:
-  nice -n 10 .venv/bin/python bench/reference_demo_train.py [--epochs N] [--max-steps N]
+  nice -n 10 .venv/bin/python bench/reference_demo_train.py [--epochs N] [--max-steps N] \
+      [--seed S] [--data-path DIR] [--metrics-out FILE.jsonl] [--save-model DIR]
+
+``--save-model DIR``: the trained drafter, ``save_pretrained`` into DIR (fp32 tensors; the
+reference ``Trainer`` casts to bf16 when it saves), plus ``DIR_epoch{E}`` after every
+epoch; ``python -m dspark_jax.eval --checkpoint DIR`` loads it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ def main() -> None:
     p.add_argument(
         "--metrics-out", default=None, help="optional JSONL of train metrics every 10 steps"
     )
+    p.add_argument("--seed", type=int, default=None, help="override train.general.seed")
+    p.add_argument("--data-path", default=None, help="override train.data.data_path")
+    p.add_argument("--save-model", default=None, help="save_pretrained folder of the drafter")
     ns = p.parse_args()
 
     torch.set_num_threads(ns.threads)
@@ -77,6 +85,10 @@ def main() -> None:
         cli["epochs"] = ns.epochs
     if ns.max_steps is not None:
         cli["max_steps"] = ns.max_steps
+    if ns.seed is not None:
+        cli["seed"] = ns.seed
+    if ns.data_path is not None:
+        cli["data_path"] = str(Path(ns.data_path).resolve())
     cfg = TrainConfig.from_sources(cli=cli, config_path=ns.config, argv=sys.argv)
     args = argparse.Namespace(**cfg.flatten())
 
@@ -168,6 +180,8 @@ def main() -> None:
             {
                 "impl": "reference",
                 "setup": True,
+                "seed": args.seed,
+                "data_path": args.data_path,
                 "train_batches_per_epoch": len(train_loader),
                 "val_batches": len(val_loader),
                 "warmup_steps": warmup,
@@ -266,8 +280,16 @@ def main() -> None:
             ),
             flush=True,
         )
+        if metrics_out is not None:
+            metrics_out.write(json.dumps({"val": vm, "epoch": epoch, "global_step": global_step}))
+            metrics_out.write("\n")
+            metrics_out.flush()
+        if ns.save_model:
+            model.save_pretrained(f"{ns.save_model}_epoch{epoch}")
         if stop:
             break
+    if ns.save_model:
+        model.save_pretrained(ns.save_model)
     print(
         json.dumps({"impl": "reference", "total_seconds": round(time.time() - t_start, 1)}),
         flush=True,

@@ -8,14 +8,12 @@ bias inside its vocabulary chunks instead of materialising [Q, Vd] here.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DSparkConfig
-from dspark_jax.model.layers import linear, partitioned
+from dspark_jax.model.layers import partitioned, torch_default_init, torch_linear
 
 
 class MarkovHead(nnx.Module):
@@ -24,8 +22,9 @@ class MarkovHead(nnx.Module):
         self.head_type = cfg.markov_head_type
         self.rank = r
         self.dtype = dtype
-        # Init as the reference: W1 ~ N(0, 0.01); W2 keeps torch's Linear default
-        # U(+-1/sqrt(r)) (kaiming-uniform with a=sqrt(5) on fan_in = r).
+        # Init as the reference, which builds its heads after post_init: W1 ~ N(0, 0.01);
+        # W2, gate_proj and joint_proj keep torch's Linear default U(+-1/sqrt(fan_in))
+        # (weights and biases; kaiming-uniform with a=sqrt(5)).
         self.markov_w1 = nnx.Embed(
             cfg.vocab_size,
             r,
@@ -34,28 +33,21 @@ class MarkovHead(nnx.Module):
             embedding_init=partitioned(nnx.initializers.normal(0.01), "vocab", "markov"),
             rngs=rngs,
         )
-        bound = 1.0 / math.sqrt(r)
         self.markov_w2 = nnx.Linear(
             r,
             cfg.draft_vocab_size,
             use_bias=False,
             dtype=dtype,
             param_dtype=jnp.float32,
-            kernel_init=partitioned(
-                lambda key, shape, dtype=jnp.float32: jax.random.uniform(
-                    key, shape, dtype, -bound, bound
-                ),
-                "markov",
-                "vocab",
-            ),
+            kernel_init=partitioned(torch_default_init(r), "markov", "vocab"),
             rngs=rngs,
         )
         if self.head_type == "gated":
-            self.gate_proj = linear(
+            self.gate_proj = torch_linear(
                 h + r, r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs
             )
         elif self.head_type == "rnn":
-            self.joint_proj = linear(
+            self.joint_proj = torch_linear(
                 2 * r + h, 3 * r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs
             )
 
@@ -112,10 +104,15 @@ class MarkovHead(nnx.Module):
 
 
 class ConfidenceHead(nnx.Module):
-    """Linear [H (+r)] -> 1: a logit of the slot's acceptance probability."""
+    """Linear [H (+r)] -> 1: a logit of the slot's acceptance probability.
+
+    Initialised as the reference's (built after ``post_init``): torch's Linear default,
+    weight and bias U(+-1/sqrt(input_dim)), not the trunk's N(0, 0.02) and zero bias."""
 
     def __init__(self, input_dim: int, dtype, rngs: nnx.Rngs):
-        self.proj = linear(input_dim, 1, ("embed", None), use_bias=True, dtype=dtype, rngs=rngs)
+        self.proj = torch_linear(
+            input_dim, 1, ("embed", None), use_bias=True, dtype=dtype, rngs=rngs
+        )
 
     def __call__(self, features: jax.Array) -> jax.Array:
         """[..., input_dim] -> [...] (fp32)."""

@@ -49,6 +49,41 @@ def linear(
     )
 
 
+def torch_default_init(fan_in: int):
+    """torch ``nn.Linear``'s own init (kaiming-uniform, a=sqrt(5)) of its weight and its
+    bias alike: U(+-1/sqrt(fan_in)). The reference's heads keep it: they are built after
+    ``post_init`` (which gives the trunk N(0, 0.02) and zero biases)."""
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def torch_linear(
+    in_features: int,
+    out_features: int,
+    axes: tuple[str | None, str | None],
+    *,
+    use_bias: bool,
+    dtype,
+    rngs: nnx.Rngs,
+) -> nnx.Linear:
+    """A Linear initialised as torch's ``nn.Linear`` (weight and bias U(+-1/sqrt(in)))."""
+    init = torch_default_init(in_features)
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=partitioned(init, *axes),
+        bias_init=partitioned(init, axes[1]),
+        rngs=rngs,
+    )
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Qwen3RMSNorm numerics: normalise in fp32, round to the input dtype, then scale."""
     x32 = x.astype(jnp.float32)
