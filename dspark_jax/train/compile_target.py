@@ -28,12 +28,13 @@ import jax
 from dspark_jax.train.flags import ConfigError
 
 GIB = 2**30
-# docs/tpu.md, "HBM per chip": Google Cloud TPU docs, in the units they print.
+# docs/tpu.md, "HBM per chip": the Google Cloud TPU docs' figures, read as GiB (their
+# "GB" are binary: libtpu's compiler itself allows 15.75 GiB on a v5e and 31.25 on a v6e).
 HBM_PER_CHIP = {
     "v4": 32 * GIB,  # cloud.google.com/tpu/docs/v4: "32 GiB"
-    "v5e": 16 * 10**9,  # cloud.google.com/tpu/docs/v5e: "16 GB"
-    "v5p": 95 * 10**9,  # cloud.google.com/tpu/docs/v5p: "95 GB"
-    "v6e": 32 * 10**9,  # cloud.google.com/tpu/docs/v6e: "32 GB"
+    "v5e": 16 * GIB,  # cloud.google.com/tpu/docs/v5e: "16 GB"
+    "v5p": 95 * GIB,  # cloud.google.com/tpu/docs/v5p: "95GB"
+    "v6e": 32 * GIB,  # cloud.google.com/tpu/docs/v6e: "32 GB"
 }
 # libtpu's device_kind for each generation (what a compile-only device reports).
 DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}

@@ -115,7 +115,7 @@ def test_compile_for_a_tpu_slice_reports_memory_and_shards_by_the_rules(
     sizes = dict(steps.mesh.shape)
     assert sizes == flags_mesh(mesh)
     assert {d.device_kind for d in steps.mesh.devices.flat} == {"TPU v5 lite"}
-    assert steps.target.chips == 4 and steps.target.memory_per_device == 16 * 10**9
+    assert steps.target.chips == 4 and steps.target.memory_per_device == 16 * 2**30
     assert steps.fits and steps.rows_per_step == rows
 
     # The report's fields, per chip, for both steps.
@@ -126,7 +126,7 @@ def test_compile_for_a_tpu_slice_reports_memory_and_shards_by_the_rules(
         assert step.error is None
         assert step.arguments > 0 and step.outputs > 0 and step.temporaries >= 0
         line = next(x for x in out.splitlines() if x.startswith(f"[compile] {step.name} step per"))
-        gib = f"{step.total / 2**30:.2f} GiB of 14.90 GiB"
+        gib = f"{step.total / 2**30:.2f} GiB of 16.00 GiB"
         assert gib in line and line.endswith(": fits"), line
         coll = next(x for x in out.splitlines() if x.startswith(f"[compile] {step.name} step coll"))
         assert step.collectives and all(f"{k} {v}" in coll for k, v in step.collectives.items())
