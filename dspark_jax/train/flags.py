@@ -341,6 +341,11 @@ FLAGS: tuple[Flag, ...] = (
        "Checkpoints kept (the newest ones; the best validation one is kept as well)."),
     _f("loss_chunk_tokens", "jax", 1024, int,
        "Slots per vocabulary-sized chunk of the loss (memory vs. speed)."),
+    _f("anchor_sampling", "jax", "per-row", choices=("per-row", "per-document"),
+       help="How a packed row's --max-anchors anchors are drawn: per-row, uniformly over the "
+       "row (the reference's rule); per-document, split over the row's documents in "
+       "proportion to their supervised positions, then uniformly within each "
+       "(dspark_jax/anchors.py). Both deterministic per (seed, step, row)."),
     _f("verifier_norm_style", "jax", "auto", choices=("auto", "plain", "gemma"),
        help="The verifier's final norm for the training targets: plain x * w or gemma "
        "x * (1 + w); auto: speculators' choice from the verifier config's model_type "
