@@ -165,63 +165,101 @@ def openai_backend(args: argparse.Namespace) -> Backend:
     return generate
 
 
-def hf_backend(args: argparse.Namespace) -> Backend:
-    """transformers ``generate`` on left-padded batches of ``--batch-size`` prompts of
-    similar length (fp32 on CPU)."""
+def _sample(logits, args: argparse.Namespace, generator):
+    """One token per row: greedy at temperature 0, else temperature, top-k, top-p, min-p
+    (vLLM's order), then a draw."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / args.temperature
+    if 0 < args.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, args.top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if args.top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # Drop a token when the ones before it already reach top_p (the first never).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= args.top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    if args.min_p > 0:
+        probs = probs.masked_fill(probs < args.min_p * probs.amax(-1, keepdim=True), 0.0)
+    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
+def hf_backend(args: argparse.Namespace) -> Backend:
+    """transformers on left-padded batches of ``--batch-size`` prompts of similar length
+    (fp32 on a CPU): our own decoding loop over the model's KV cache, which drops a row
+    as soon as it ends (``generate`` computes every row until the longest ends)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     tok = AutoTokenizer.from_pretrained(args.model)
     if tok.chat_template is None:
         raise ValueError(f"--model {args.model}: the tokenizer has no chat template")
-    tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if pad is None:
         raise ValueError(f"--model {args.model}: the tokenizer has neither a pad nor an eos token")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    gen_cfg = model.generation_config
-    eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else tok.eos_token_id
-    greedy = args.temperature == 0
-    # top_k 0 and top_p 1 switch those warpers off in transformers; min_p None does.
-    sample_kw = {} if greedy else {"temperature": args.temperature, "top_p": args.top_p,
-                                   "top_k": args.top_k, "min_p": args.min_p or None}  # fmt: skip
+    eos = model.generation_config.eos_token_id
+    eos = tok.eos_token_id if eos is None else eos
+    eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
+
+    @torch.no_grad()
+    def decode(prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
+        n, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((n, width), pad, dtype=torch.long)
+        att = torch.zeros((n, width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            att[r, width - len(p) :] = 1
+        ids, att = ids.to(device), att.to(device)
+        pos = (att.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        cache = DynamicCache()
+        out = model(input_ids=ids, attention_mask=att, position_ids=pos,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        alive = torch.arange(n, device=device)
+        next_pos = pos[:, -1] + 1
+        new: list[list[int]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        for step in range(args.max_new_tokens):
+            token = _sample(out.logits[:, -1].float(), args, gen)
+            ended = torch.isin(token, eos_ids)
+            for r, t, e in zip(alive.tolist(), token.tolist(), ended.tolist(), strict=True):
+                if e:
+                    finish[r] = "stop"
+                else:
+                    new[r].append(t)
+            if step == args.max_new_tokens - 1:
+                break
+            keep = ~ended
+            if not keep.all():
+                if not keep.any():
+                    break
+                idx = keep.nonzero()[:, 0]
+                cache.batch_select_indices(idx)
+                alive, token, att, next_pos = alive[idx], token[idx], att[idx], next_pos[idx]
+            att = torch.cat([att, att.new_ones((len(alive), 1))], 1)
+            out = model(input_ids=token[:, None], attention_mask=att, position_ids=next_pos[:, None],
+                        past_key_values=cache, use_cache=True)  # fmt: skip
+            next_pos = next_pos + 1
+        return list(zip(new, finish, strict=True))
 
     def generate(batch: list[list[dict]], first_index: int = 0) -> list[tuple[str | None, str]]:
         prompts = [
-            tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, **_tk(args))
+            list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, **_tk(args)))
             for m in batch
         ]
         out: list[tuple[str | None, str]] = [(None, "")] * len(batch)
         order = sorted(range(len(batch)), key=lambda i: len(prompts[i]))
         for s in range(0, len(order), args.batch_size):
             idx = order[s : s + args.batch_size]
-            width = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), width), pad, dtype=torch.long)
-            att = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                p = prompts[i]
-                ids[r, width - len(p) :] = torch.tensor(p)
-                att[r, width - len(p) :] = 1
-            torch.manual_seed(args.seed + first_index + idx[0])
-            with torch.no_grad():
-                gen = model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=att.to(device),
-                    do_sample=not greedy,
-                    max_new_tokens=args.max_new_tokens,
-                    eos_token_id=eos,
-                    pad_token_id=pad,
-                    **sample_kw,
-                )
-            for r, i in enumerate(idx):
-                new = gen[r, width:].tolist()
-                eos_set = set(eos) if isinstance(eos, list) else {eos}
-                cut = next((j for j, t in enumerate(new) if t in eos_set), None)
-                finish = "length" if cut is None else "stop"
-                text = tok.decode(new[:cut], skip_special_tokens=True)
-                out[i] = (text, finish)
+            results = decode([prompts[i] for i in idx], args.seed + first_index + idx[0])
+            for i, (ids, finish) in zip(idx, results, strict=True):
+                out[i] = (tok.decode(ids, skip_special_tokens=True), finish)
         return out
 
     return generate
