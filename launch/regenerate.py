@@ -167,24 +167,24 @@ def openai_backend(args: argparse.Namespace) -> Backend:
 
 def _sample(logits, args: argparse.Namespace, generator):
     """One token per row: greedy at temperature 0, else temperature, top-k, top-p, min-p
-    (vLLM's order), then a draw."""
+    (vLLM's order), then a draw. With top-k the rest works on the k candidates only."""
     import torch
 
     if args.temperature == 0:
         return logits.argmax(-1)
     logits = logits / args.temperature
     if 0 < args.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, args.top_k).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits, cand = torch.topk(logits, args.top_k)  # sorted, descending
+    else:
+        logits, cand = logits.sort(-1, descending=True)
     probs = torch.softmax(logits, -1)
     if args.top_p < 1:
-        sorted_p, order = probs.sort(-1, descending=True)
         # Drop a token when the ones before it already reach top_p (the first never).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= args.top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs.masked_fill((probs.cumsum(-1) - probs) >= args.top_p, 0.0)
     if args.min_p > 0:
-        probs = probs.masked_fill(probs < args.min_p * probs.amax(-1, keepdim=True), 0.0)
-    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+        probs = probs.masked_fill(probs < args.min_p * probs[:, :1], 0.0)
+    pick = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)
+    return cand.gather(-1, pick)[:, 0]
 
 
 def hf_backend(args: argparse.Namespace) -> Backend:
@@ -201,6 +201,8 @@ def hf_backend(args: argparse.Namespace) -> Backend:
     if pad is None:
         raise ValueError(f"--model {args.model}: the tokenizer has neither a pad nor an eos token")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
@@ -474,6 +476,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-retries", type=int, default=3, help="openai: HTTP retries")
     ap.add_argument("--batch-size", type=int, default=64, help="hf: prompts per generate call")
     ap.add_argument("--device", default=None, help="hf: torch device (default cuda if any)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="hf: torch CPU threads (default torch's; 1 is much faster on a "
+                    "loaded machine, where waiting threads spin)")  # fmt: skip
     ap.add_argument("--chunk-size", type=int, default=256,
                     help="conversations per resumable chunk")  # fmt: skip
     args = ap.parse_args(argv)

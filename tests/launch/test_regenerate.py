@@ -230,3 +230,26 @@ def test_hf_backend_on_the_demo_verifier(tmp_path, verifier_path):
         assert summary["assistant_turns_regenerated"] == 3
     assert outs["batched"] == outs["alone"]
     assert outs["batched"][0]["conversations"][2]["content"] != "orig1"
+
+
+def test_sampler_truncations():
+    """top-k, then top-p (a token is dropped once the ones before it reach p), then min-p
+    (relative to the top probability); temperature 0 is argmax."""
+    import torch
+
+    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]])
+    logits = probs.log().repeat(4000, 1)
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(*flags):
+        args = rg.parse_args(["--data", "d", "--output", "o", "--model", "m", *flags])
+        return set(rg._sample(logits, args, gen).tolist())
+
+    assert drawn("--temperature", "0") == {1}
+    assert drawn("--temperature", "1", "--top-k", "0", "--top-p", "1") == {0, 1, 2, 3}
+    assert drawn("--temperature", "1", "--top-k", "2", "--top-p", "1") == {1, 2}
+    # cumulative before each, sorted: 0, 0.5, 0.8, 0.95 -> p = 0.6 keeps two, 0.85 three.
+    assert drawn("--temperature", "1", "--top-k", "0", "--top-p", "0.6") == {1, 2}
+    assert drawn("--temperature", "1", "--top-k", "0", "--top-p", "0.85") == {1, 2, 3}
+    # min-p 0.5: keep p >= 0.25 (0.5, 0.3).
+    assert drawn("--temperature", "1", "--top-k", "0", "--top-p", "1", "--min-p", "0.5") == {1, 2}
