@@ -28,7 +28,7 @@ Sampling: ``--temperature`` (default 0.7), ``--top-p`` (0.8), ``--top-k`` (20),
 ``--max-tokens`` is ``--max-new-tokens`` here. ``--temperature 0`` is greedy.
 
 Resume: finished conversations are appended to ``<output>.partial`` (one JSON line each,
-flushed and fsynced per chunk of ``--chunk-size`` conversations; a truncated last line is
+flushed and fsynced per chunk of ``--chunk-size`` conversations; a line cut by a kill is
 ignored), so a killed run loses at most the chunk in progress and a rerun with the same
 flags continues. The partial file starts with the run's settings; another setting is
 refused. When every conversation is done, ``<output>`` is written in input order
@@ -362,7 +362,7 @@ def _read_partial(path: Path, expected: dict) -> dict[int, dict]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError:
-            break  # a line cut by the kill: that chunk is redone
+            continue  # a line cut by a kill: that conversation is redone
         done[int(item["index"])] = item
     return done
 
