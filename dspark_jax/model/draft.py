@@ -90,6 +90,7 @@ class LossSettings:
     per_position_loss_weight: str = "fixed-exp-decay"
     dpace_alpha: float = 0.5
     vocab_chunk_tokens: int = 1024  # slots per vocab-sized chunk of the loss
+    anchor_sampling: str = "per-row"  # --anchor-sampling (dspark_jax/anchors.py)
 
     @classmethod
     def from_loss_fn(cls, loss_fn: str, **kw) -> LossSettings:
@@ -321,7 +322,10 @@ def batch_loss(
     b = model.config.block_size
 
     def one(row, k):
-        anchors, valid = anchor_ops.select_anchors(k, row["loss_mask"], settings.num_anchors, b)
+        anchors, valid = anchor_ops.sample_anchors(
+            k, row["loss_mask"], row["document_ids"], settings.num_anchors, b,
+            settings.anchor_sampling,
+        )  # fmt: skip
         return row_loss(model, frozen, row, anchors, valid, settings)
 
     row_losses, metrics = jax.vmap(one)({k: batch[k] for k in ROW_KEYS}, keys)

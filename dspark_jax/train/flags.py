@@ -350,6 +350,11 @@ FLAGS: tuple[Flag, ...] = (
     _f("profile_steps", "jax", None,
        help="A:B: a jax.profiler trace of optimizer steps A to B-1 into "
        "<log-dir>/<run-name>/profile (TensorBoard's profile plugin, XProf, Perfetto)."),
+    _f("anchor_sampling", "jax", "per-row", choices=("per-row", "per-document"),
+       help="How a packed row's --max-anchors anchors are drawn: per-row, uniformly over the "
+       "row (the reference's rule); per-document, split over the row's documents in "
+       "proportion to their supervised positions, then uniformly within each "
+       "(dspark_jax/anchors.py). Both deterministic per (seed, step, row)."),
     _f("verifier_norm_style", "jax", "auto", choices=("auto", "plain", "gemma"),
        help="The verifier's final norm for the training targets: plain x * w or gemma "
        "x * (1 + w); auto: speculators' choice from the verifier config's model_type "

@@ -232,6 +232,7 @@ class Trainer:
             per_position_loss_weight=args.per_position_loss_weight,
             dpace_alpha=args.dpace_alpha,
             vocab_chunk_tokens=args.loss_chunk_tokens,
+            anchor_sampling=args.anchor_sampling,
         )
 
     # ------------------------------------------------------------------ model

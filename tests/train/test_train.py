@@ -412,6 +412,26 @@ def test_resume_skips_a_truncated_checkpoint_and_logs_each_step_once(baseline, l
     assert losses(resumed) == losses(records) and val_losses(resumed) == val_losses(records)
 
 
+def test_per_document_anchors_resume_exactly(baseline, learn, tmp_path):
+    """--anchor-sampling per-document: other anchors than the default's (other losses),
+    and a run resumed from step 5 redraws steps 5-14's anchors exactly (same losses)."""
+    verifier, data = learn
+    _, records, _ = baseline
+    argv = tiny_argv(verifier, data, tmp_path / "full", **RUN, anchor_sampling="per-document")
+    assert train.run(cli.resolve(argv), devices=jax.devices()[:1]) == 0
+    full = read_jsonl(tmp_path / "full" / "logs" / "run" / "metrics.jsonl")
+    assert len(losses(full)) == 15 and losses(full) != losses(records)
+    shutil.copytree(tmp_path / "full" / "ckpt", tmp_path / "resumed" / "ckpt")
+    for step in ("10", "15"):
+        shutil.rmtree(tmp_path / "resumed" / "ckpt" / step)
+    argv = tiny_argv(verifier, data, tmp_path / "resumed", **RUN, anchor_sampling="per-document")
+    assert train.run(cli.resolve(argv), devices=jax.devices()[:1]) == 0
+    resumed = read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
+    assert [r["global_step"] for r in resumed if "train" in r] == list(range(5, 15))
+    assert losses(resumed) == losses(full)[5:]  # bit-exact: same batches, same anchors
+    assert val_losses(resumed) == val_losses(full)[1:]
+
+
 def test_a_validation_without_samples_is_no_loss(tmp_path):
     """Issue 18.4: every validation sample skipped: no val record, and the epoch-end
     checkpoint carries no metrics (so `--step best` never picks it). The loop's own

@@ -1,0 +1,86 @@
+"""The table of bench/README.md, "On-policy data and per-document anchors": acceptance
+lengths of the demo drafters (baseline, on-policy, per-document anchors, both, and the
+reference trainer's baseline) on the two held-out sets, mean and spread over seeds.
+
+Reads ``<runs>/<variant>_s<seed>/eval*/summary.json`` (``python -m dspark_jax.eval``
+with ``--dataset heldout=...`` and/or ``--dataset heldout_onpolicy=...``, in one
+output folder or several); prints one JSON line per run, then the markdown table. A
+run without a summary is listed as missing.
+
+    python bench/onpolicy_table.py --runs /work/runs [--seeds 42 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+VARIANTS = (
+    ("reference", "reference trainer (speculators 0.9.0), original data"),
+    ("baseline", "ours, original data (per-row anchors)"),
+    ("onpolicy", "ours, on-policy data"),
+    ("perdoc", "ours, original data, per-document anchors"),
+    ("both", "ours, on-policy data, per-document anchors"),
+)
+DATASETS = (
+    ("heldout_onpolicy", "held-out prompts, verifier's answers"),
+    ("heldout", "held-out, original answers"),
+)
+METHODS = (
+    ("analytic/free_running", "free-running analytic"),
+    ("greedy/free_running", "free-running greedy"),
+    ("analytic/teacher_forcing", "teacher-forced analytic"),
+)
+
+
+def cell(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    sd = statistics.stdev(values)
+    return f"{statistics.mean(values):.3f} ± {sd:.3f} ({len(values)})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default="/work/runs")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
+    args = ap.parse_args()
+    values: dict[tuple[str, str, str], list[float]] = {}
+    missing = []
+    for variant, _ in VARIANTS:
+        for seed in args.seeds:
+            paths = sorted((Path(args.runs) / f"{variant}_s{seed}").glob("eval*/summary.json"))
+            if not paths:
+                missing.append(f"{variant}_s{seed}")
+                continue
+            found = {}
+            for path in paths:
+                found.update(json.loads(path.read_text())["datasets"])
+            line = {"run": f"{variant}_s{seed}"}
+            for ds, _ in DATASETS:
+                acc = found.get(ds, {}).get("acceptance", {})
+                for key, _ in METHODS:
+                    if key in acc:
+                        v = acc[key]["acceptance_length"]
+                        values.setdefault((variant, ds, key), []).append(v)
+                        line[f"{ds}:{key}"] = round(v, 4)
+            print(json.dumps(line))
+    header = ["drafter"] + [f"{d}: {m}" for _, d in DATASETS for _, m in METHODS]
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join(["---"] * len(header)) + " |")
+    for variant, title in VARIANTS:
+        cells = [
+            cell(values.get((variant, ds, key), [])) for ds, _ in DATASETS for key, _ in METHODS
+        ]
+        print("| " + " | ".join([title, *cells]) + " |")
+    if missing:
+        print(f"\nmissing: {' '.join(missing)}")
+
+
+if __name__ == "__main__":
+    main()
