@@ -7,7 +7,7 @@ with ``--dataset heldout=...`` and/or ``--dataset heldout_onpolicy=...``, in one
 output folder or several); prints one JSON line per run, then the markdown table. A
 run without a summary is listed as missing.
 
-    python bench/onpolicy_table.py --runs /work/runs [--seeds 42 1 2]
+    python bench/onpolicy_table.py --runs RUNS [--seeds 42 1 2]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def cell(values: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", default="/work/runs")
+    ap.add_argument("--runs", required=True, help="folder of <variant>_s<seed> run folders")
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
     args = ap.parse_args()
     values: dict[tuple[str, str, str], list[float]] = {}
