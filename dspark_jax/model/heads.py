@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DSparkConfig
-from dspark_jax.model.layers import partitioned, torch_default_init, torch_linear
+from dspark_jax.model.layers import linear, partitioned, torch_default_init
 
 
 class MarkovHead(nnx.Module):
@@ -43,13 +43,15 @@ class MarkovHead(nnx.Module):
             rngs=rngs,
         )
         if self.head_type == "gated":
-            self.gate_proj = torch_linear(
-                h + r, r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs
-            )
+            self.gate_proj = linear(
+                h + r, r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs,
+                torch_init=True,
+            )  # fmt: skip
         elif self.head_type == "rnn":
-            self.joint_proj = torch_linear(
-                2 * r + h, 3 * r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs
-            )
+            self.joint_proj = linear(
+                2 * r + h, 3 * r, ("embed", "markov"), use_bias=True, dtype=dtype, rngs=rngs,
+                torch_init=True,
+            )  # fmt: skip
 
     def w2_kernel(self) -> jax.Array:
         """W2 as a [r, Vd] kernel in the compute dtype: bias = feature @ w2_kernel."""
@@ -110,9 +112,10 @@ class ConfidenceHead(nnx.Module):
     weight and bias U(+-1/sqrt(input_dim)), not the trunk's N(0, 0.02) and zero bias."""
 
     def __init__(self, input_dim: int, dtype, rngs: nnx.Rngs):
-        self.proj = torch_linear(
-            input_dim, 1, ("embed", None), use_bias=True, dtype=dtype, rngs=rngs
-        )
+        self.proj = linear(
+            input_dim, 1, ("embed", None), use_bias=True, dtype=dtype, rngs=rngs,
+            torch_init=True,
+        )  # fmt: skip
 
     def __call__(self, features: jax.Array) -> jax.Array:
         """[..., input_dim] -> [...] (fp32)."""

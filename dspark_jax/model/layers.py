@@ -36,15 +36,22 @@ def linear(
     use_bias: bool,
     dtype,
     rngs: nnx.Rngs,
+    torch_init: bool = False,
 ) -> nnx.Linear:
+    """A Linear with fp32 parameters: N(0, 0.02) weight and zero bias (the reference's
+    ``post_init``), or, ``torch_init``, torch's ``nn.Linear`` own init for both."""
+    if torch_init:
+        kernel_init = bias_init = torch_default_init(in_features)
+    else:
+        kernel_init, bias_init = LINEAR_INIT, nnx.initializers.zeros_init()
     return nnx.Linear(
         in_features,
         out_features,
         use_bias=use_bias,
         dtype=dtype,
         param_dtype=jnp.float32,
-        kernel_init=partitioned(LINEAR_INIT, *axes),
-        bias_init=partitioned(nnx.initializers.zeros_init(), axes[1]),
+        kernel_init=partitioned(kernel_init, *axes),
+        bias_init=partitioned(bias_init, axes[1]),
         rngs=rngs,
     )
 
@@ -59,29 +66,6 @@ def torch_default_init(fan_in: int):
         return jax.random.uniform(key, shape, dtype, -bound, bound)
 
     return init
-
-
-def torch_linear(
-    in_features: int,
-    out_features: int,
-    axes: tuple[str | None, str | None],
-    *,
-    use_bias: bool,
-    dtype,
-    rngs: nnx.Rngs,
-) -> nnx.Linear:
-    """A Linear initialised as torch's ``nn.Linear`` (weight and bias U(+-1/sqrt(in)))."""
-    init = torch_default_init(in_features)
-    return nnx.Linear(
-        in_features,
-        out_features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=jnp.float32,
-        kernel_init=partitioned(init, *axes),
-        bias_init=partitioned(init, axes[1]),
-        rngs=rngs,
-    )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
