@@ -33,10 +33,12 @@ stream needs no state of its own: the anchors of global step s are drawn from
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
-import sys
+import re
 from pathlib import Path
 from typing import Any
 
@@ -236,15 +238,17 @@ def load_params(
     if not state_dir.is_dir():
         raise CheckpointError(f"{state_dir.parent}: no '{ITEM_STATE}' item")
     try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            state_dir,
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=restore_args, partial_restore=True
-            ),
-        )
+        with _reads_finished_on_failure():
+            restored = ocp.PyTreeCheckpointer().restore(
+                state_dir,
+                args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore_args, partial_restore=True
+                ),
+            )
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(
-            f"{state_dir}: cannot restore state['params'] for the config in {source}: {e}"
+            f"{state_dir}: cannot restore state['params'] for the config in {source}: "
+            f"{unreadable_reason(e, directory)}"
         ) from e
     _check_against_config(restored["params"], cfg, source=str(state_dir))
     nnx.replace_by_pure_dict(state, restored["params"])
@@ -335,24 +339,72 @@ class _OrbaxErrorFilter(logging.Filter):
 _ORBAX_ERRORS = _OrbaxErrorFilter()
 
 
-def _drop_aborted_reads() -> None:
-    """Once a restore failed, the reads it left in flight finish on Orbax's closed event
-    loop, each printing a traceback ("Event loop is closed") that says nothing about the
-    checkpoint: ``sys.unraisablehook`` drops those. Other unraisable errors pass on."""
-    from dspark_jax.cli import debug_enabled
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that finishes its tasks before it closes.
 
-    previous = sys.unraisablehook
-    if getattr(previous, "_dspark", False):
-        return
+    Orbax runs a restore with ``loop.run_until_complete(coro)`` then ``loop.close()``
+    (``orbax/checkpoint/_src/asyncio_utils.py::_run_sync_via_new_loop``). When one read
+    fails (a truncated file), ``asyncio.gather`` raises at once and the other reads are
+    left running on TensorStore's threads; they finish after the close, each printing
+    "Event loop is closed" or "Task exception was never retrieved" with kilobytes of
+    TensorStore spec, later, from anywhere. Here ``close`` first awaits them (their
+    errors retrieved and dropped: the first one is already being raised)."""
 
-    def hook(unraisable) -> None:
-        error = unraisable.exc_value
-        closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-        if not closed or debug_enabled():
-            previous(unraisable)
+    def close(self) -> None:
+        if not self.is_running() and not self.is_closed():
+            pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            if pending:
+                self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
 
-    hook._dspark = True
-    sys.unraisablehook = hook
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _DrainingEventLoop()
+
+
+@contextlib.contextmanager
+def _reads_finished_on_failure():
+    """Every event loop Orbax creates inside the block awaits its reads before closing,
+    so a failed restore leaves nothing running behind it."""
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(previous)
+
+
+_BYTE_RANGE = re.compile(
+    r"Requested byte range \[(\d+), (\d+)\) is not valid for value of size (\d+)"
+)
+_LOCAL_FILE = re.compile(r'local file "([^"]*[^/"])"')
+
+
+def unreadable_reason(error: BaseException, directory: str | os.PathLike) -> str:
+    """Why a step does not restore, in words: the file (relative to ``directory``) and
+    the cause ("truncated: 4210 of 8420 bytes"), never TensorStore's spec.
+    ``--debug`` (``DSPARK_DEBUG``) gives the whole text instead."""
+    from dspark_jax.cli import debug_enabled, one_line
+
+    text = str(error)
+    if debug_enabled():
+        return " ".join(text.split())
+    files = _LOCAL_FILE.findall(text)
+    where = ""
+    if files:
+        path = Path(files[-1])
+        try:
+            where = f"{path.relative_to(Path(directory).absolute())}: "
+        except ValueError:
+            where = f"{path}: "
+    truncated = _BYTE_RANGE.search(text)
+    if truncated:
+        return f"{where}truncated: {truncated[3]} of {truncated[2]} bytes"
+    cause = re.split(r" \[tensorstore_spec", one_line(error))[0]
+    if files:  # TensorStore's chain of "Error opening ..." ends with the cause itself
+        cause = cause.rsplit(f'"{files[-1]}": ', 1)[-1]
+    return f"{where}{cause}"[:200]
 
 
 def _reason(error: BaseException) -> str:
@@ -451,18 +503,15 @@ class Checkpointer:
         }
         if self.with_data and data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        try:
+        with _reads_finished_on_failure():
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception:
-            _drop_aborted_reads()
-            raise
         return restored["state"], restored["meta"]
 
     def meta(self, step: int) -> dict[str, Any]:
         """The ``meta`` item of ``step`` alone (check it before restoring the arrays)."""
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        with _reads_finished_on_failure():
+            items = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return items["meta"]
 
     def move_aside(self, step: int) -> Path:
         """Rename an unreadable step folder out of Orbax's sight (kept for inspection)."""

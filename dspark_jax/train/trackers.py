@@ -98,7 +98,12 @@ class TrackioTracker(WandbTracker):
     package = "trackio"
 
     def close(self) -> None:
-        self.run.finish()
+        # trackio.finish() also forgets the run: after Run.finish() alone it stays current,
+        # and trackio's exit hook finishes it again, printing after the process's last line.
+        if self.module.context_vars.current_run.get() is self.run:
+            self.module.finish()
+        else:
+            self.run.finish()
 
     def _init_kwargs(self, run_name: str, log_dir: Path) -> dict[str, Any]:
         del log_dir  # Trackio takes no directory (the reference ignores --log-dir too)

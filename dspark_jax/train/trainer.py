@@ -57,7 +57,7 @@ from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
 from dspark_jax.train import drafter_setup, flags, online_setup, throughput
 from dspark_jax.train.checkpoint import FORMAT as CHECKPOINT_FORMAT  # what the converters read
-from dspark_jax.train.checkpoint import Checkpointer, CheckpointError
+from dspark_jax.train.checkpoint import Checkpointer, CheckpointError, unreadable_reason
 from dspark_jax.train.dry_run import dry_run
 from dspark_jax.train.flags import ConfigError, TrainArgs
 from dspark_jax.train.metrics_log import (
@@ -398,13 +398,13 @@ class Trainer:
             try:
                 meta = self.ckpt.meta(step)
             except UNREADABLE as e:
-                skipped.append((step, _short(e)))
+                skipped.append((step, unreadable_reason(e, self.ckpt.directory)))
                 continue
             self._check_resumable(step, meta)
             try:
                 restored, meta = self.ckpt.restore(step, abstract_state, self.train_it)
             except UNREADABLE as e:
-                skipped.append((step, _short(e)))
+                skipped.append((step, unreadable_reason(e, self.ckpt.directory)))
                 continue
             break
         else:
@@ -444,9 +444,8 @@ class Trainer:
             if self.is_main:
                 aside = self.ckpt.move_aside(bad)
                 log.warning(
-                    "checkpoint %s/%d is unreadable (%s): skipped (moved to %s); resuming from "
-                    "step %d",
-                    self.ckpt.directory,
+                    "checkpoint step %d is unreadable (%s): skipped (moved to %s); resuming "
+                    "from step %d",
                     bad,
                     why,
                     aside.name,
@@ -657,6 +656,7 @@ class Trainer:
                 if interrupted.signal or preempted:
                     self.save("interrupted")
                     self.ckpt.wait()
+                    self.metrics.close()  # trackers print as they finish: before our last line
                     self.progress.message(
                         f"interrupted ({interrupted.signal or 'preemption'}) at step "
                         f"{self.global_step}: checkpoint saved in {args.save_path}; run the same "
@@ -669,6 +669,7 @@ class Trainer:
         finally:
             interrupted.restore()
         self.ckpt.wait()
+        self.metrics.close()  # trackers print as they finish: before our last line
         self.progress.message(
             f"training done at step {self.global_step}; checkpoints in {args.save_path}"
         )
@@ -722,12 +723,6 @@ def _new_window(t: float | None = None) -> dict[str, float]:
 UNREADABLE = (ValueError, OSError, KeyError)
 
 
-def _short(error: BaseException) -> str:
-    from dspark_jax.cli import one_line
-
-    return one_line(error)
-
-
 def run(
     args: TrainArgs,
     *,
@@ -758,11 +753,25 @@ def demo_data_missing(args: TrainArgs) -> str | None:
     )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler on ``sys.stderr`` as it is when each record is written, not as it was
+    when the handler was made: a later command in the same process (a test, a notebook)
+    may have replaced it, and the old stream may be closed."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        del value  # StreamHandler.__init__ assigns one: sys.stderr is read at each record
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Our messages on stderr (the root logger is already claimed by a dependency's import)."""
     logger = logging.getLogger("dspark_jax")
     if not any(getattr(h, "_dspark", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler._dspark = True
         handler.setFormatter(
             logging.Formatter("[%(asctime)s] %(levelname)s %(message)s", "%H:%M:%S")

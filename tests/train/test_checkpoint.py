@@ -143,3 +143,74 @@ def test_a_failed_save_is_reported_once_and_never_as_saved(tmp_path):
     assert ckpt1.all_steps() == [1] and ckpt1.meta(1) == {"step": 1}
     ckpt1.close()
     assert tree_digest(ckpt / "1") == digest
+
+
+def _truncated_checkpoint(directory):
+    """A step of many arrays whose data files lost their second half: the reads of one
+    restore run concurrently, and all but the first to fail are still in flight when
+    Orbax raises."""
+    ckpt = Checkpointer(directory, async_save=False, with_data=False)
+    state = {f"p{i}": jnp.full((37 * (i + 1), 16), float(i)) for i in range(60)}
+    ckpt.save(1, state, {"step": 1})
+    ckpt.wait()
+    sizes = {}
+    for f in (directory / "1" / "state").rglob("d/*"):
+        sizes[f] = f.stat().st_size
+        f.write_bytes(f.read_bytes()[: sizes[f] // 2])
+    return ckpt, state, sizes
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_failed_restore_leaves_nothing_running(tmp_path, capfd, caplog, monkeypatch):
+    """Issue 32: every read of a failed restore is finished inside it; nothing is printed
+    or raised later (the reads used to fail on Orbax's closed event loop, printing
+    "Event loop is closed" and "Task exception was never retrieved" blocks)."""
+    import asyncio
+    import gc
+
+    from dspark_jax.train.checkpoint import abstract_like
+
+    left_running = []
+    close = asyncio.BaseEventLoop.close
+
+    def spy(loop):  # what an event loop still runs when it closes
+        left_running.extend(t for t in asyncio.all_tasks(loop) if not t.done())
+        close(loop)
+
+    ckpt, state, _ = _truncated_checkpoint(tmp_path)
+    capfd.readouterr()
+    monkeypatch.setattr(asyncio.BaseEventLoop, "close", spy)
+    # Without the fix a restore leaves reads running at the close about 2 times in 3
+    # (the others fail before Orbax raises): six restores miss it about once in 700.
+    for _ in range(6):
+        with pytest.raises(ValueError, match="is not valid for value of size"):
+            ckpt.restore(1, abstract_like(state))
+    monkeypatch.undo()
+    ckpt.close()
+    assert not left_running
+    gc.collect()  # a task never retrieved is reported when it is collected
+    out, err = capfd.readouterr()
+    assert "Event loop is closed" not in out + err and "never retrieved" not in out + err
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+def test_an_unreadable_step_is_described_in_one_short_line(tmp_path, monkeypatch):
+    """The cause in words and the file relative to the checkpoint, not TensorStore's spec
+    (kilobytes); DSPARK_DEBUG keeps the whole text."""
+    from dspark_jax.train.checkpoint import abstract_like, unreadable_reason
+
+    ckpt, state, sizes = _truncated_checkpoint(tmp_path)
+    with pytest.raises(ValueError) as caught:
+        ckpt.restore(1, abstract_like(state))
+    ckpt.close()
+    monkeypatch.delenv("DSPARK_DEBUG", raising=False)
+    reason = unreadable_reason(caught.value, tmp_path)
+    rel = {str(f.relative_to(tmp_path)): size for f, size in sizes.items()}
+    file, cause = reason.split(": ", 1)
+    assert file in rel, (reason, rel)
+    # The file kept half its bytes; the read asked for a range that ended past them.
+    kept, needed = (int(n) for n in cause[len("truncated: ") : -len(" bytes")].split(" of "))
+    assert cause == f"truncated: {kept} of {needed} bytes" and kept == rel[file] // 2 < needed
+    assert len(reason) <= 200 and "tensorstore_spec" not in reason
+    monkeypatch.setenv("DSPARK_DEBUG", "1")
+    assert "tensorstore_spec" in unreadable_reason(caught.value, tmp_path)

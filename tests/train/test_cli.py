@@ -410,3 +410,25 @@ def test_no_arguments_runs_the_demo_or_names_the_command(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert cli.DEMO_PREPARE_COMMAND in err and "runs/nowhere/verifier" in err
     assert str(cli.REPO_ROOT) in err  # the demo's relative paths are relative to the repository
+
+
+def test_log_lines_go_to_the_stderr_of_the_moment(monkeypatch):
+    """Issue 32: the trainer's log handler writes to sys.stderr as it is at each record. It
+    used to keep the stream of its first setup_logging(), so a later command in the same
+    process (test_cli_errors after tests/train) logged into a closed capture ("--- Logging
+    error ---" and a traceback)."""
+    import io
+    import logging
+    import sys
+
+    from dspark_jax.train.trainer import setup_logging
+
+    monkeypatch.setattr(logging.getLogger("dspark_jax"), "handlers", [])
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    setup_logging()
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("dspark_jax.eval").info("evaluating d")
+    assert second.getvalue().endswith(" INFO evaluating d\n"), second.getvalue()

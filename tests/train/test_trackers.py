@@ -6,7 +6,10 @@ tests/train/test_train.py::test_the_run_logs_to_every_tracker_and_profiles.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,7 @@ from dspark_jax.train import flags as cli
 from dspark_jax.train.flags import ConfigError
 from dspark_jax.train.metrics_log import MetricsLog
 from tests.train.conftest import (
+    installed_trackers,
     offline_tracker_env,
     read_mlflow,
     read_trackio,
@@ -124,3 +128,31 @@ def test_a_missing_package_is_a_one_line_install_hint(name, monkeypatch, capsys,
     assert main(["--verifier-name-or-path", str(tmp_path), "--logger", name]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --logger {name} needs {package} (pip install 'dspark-jax[loggers]')"
+
+
+def test_closed_trackers_print_nothing_at_exit(tmp_path):
+    """Issue 32: a process that closed its trackers ends on its own last line (Trackio
+    used to finish its run again at exit, printing "* Run finished ..." after it)."""
+    trackers = installed_trackers()
+    if not trackers:
+        pytest.skip("no tracker installed")
+    script = (
+        "import sys\n"
+        "from dspark_jax.train.metrics_log import MetricsLog\n"
+        "log = MetricsLog(sys.argv[1], sys.argv[2].split(','))\n"
+        "log.log({'train': {'loss': 1.0}}, 0)\n"
+        "log.close()\n"
+        "print('LAST LINE', flush=True)\n"
+    )
+    env = {**offline_tracker_env(tmp_path), "TRACKIO_DIR": str(tmp_path / "trackio")}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "logs" / "run"), ",".join(trackers)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "LAST LINE", out.stdout
+    assert "Run finished" not in out.stderr, out.stderr
