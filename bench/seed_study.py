@@ -221,7 +221,7 @@ def cmd_valnoise(ns) -> None:
     import jax.numpy as jnp
 
     from dspark_jax import optim, parallel
-    from dspark_jax.convert.load import load_drafter
+    from dspark_jax.checkpoint.load import load_drafter
     from dspark_jax.train import flags
     from dspark_jax.train.metrics_log import normalize_counted_metrics
     from dspark_jax.train.trainer import Trainer

@@ -34,6 +34,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dspark_jax import file_mode
+from dspark_jax.checkpoint import orbax_io as checkpoint
 from dspark_jax.config import DSparkConfig
 from dspark_jax.convert.card import CARD_FILE, CardInputs, model_card
 from dspark_jax.convert.check import (
@@ -48,7 +49,7 @@ from dspark_jax.convert.vllm_rules import CALIBRATION_FILE
 from dspark_jax.data.vocab import check_vocab_maps
 from dspark_jax.eval import calibration as calib
 from dspark_jax.model.params import to_speculators
-from dspark_jax.train import checkpoint, flags
+from dspark_jax.train import flags
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
   (seeded) with the requested Markov rank/type and confidence-head options.
 
 The result is what ``dspark_jax.train --from-pretrained`` starts from: step
-``step`` of a params-only checkpoint (:mod:`dspark_jax.train.checkpoint`), plus
+``step`` of a params-only checkpoint (:mod:`dspark_jax.checkpoint.orbax_io`), plus
 ``d2t-<Vd>.npy``/``t2d-<Vd>.npy`` in the checkpoint root for a reduced vocabulary.
 The draft ``lm_head`` is not stored (training re-reads the verifier head); when
 ``verifier_path`` is a local folder it is compared with the verifier's rows and a
@@ -29,11 +29,11 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from dspark_jax.checkpoint import orbax_io as checkpoint
 from dspark_jax.config import DSparkConfig, verifier_norm_style
 from dspark_jax.convert.check import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
 from dspark_jax.data.vocab import VocabError, check_vocab_maps
 from dspark_jax.model.params import from_speculators, speculators_key
-from dspark_jax.train import checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from converters.__main__ import main
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.export import export_checkpoint, export_params
 from dspark_jax.convert.importer import ImportFolderError, WarmStart, import_folder
-from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import (
     base_config,
     flat_params,

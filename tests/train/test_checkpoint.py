@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import parallel
-from dspark_jax.train.checkpoint import Checkpointer, KeepLatestAndBest
+from dspark_jax.checkpoint.orbax_io import Checkpointer, KeepLatestAndBest
 
 
 def _iterator(start=0):
@@ -94,7 +94,7 @@ FULL_DISK_CHILD = r"""
 import resource, signal, sys
 import numpy as np
 from dspark_jax.cli import guarded
-from dspark_jax.train.checkpoint import Checkpointer
+from dspark_jax.checkpoint.orbax_io import Checkpointer
 from dspark_jax.train.trainer import setup_logging
 
 def main(argv):

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from dspark_jax.checkpoint import orbax_io as checkpoint
 from dspark_jax.config import DSparkConfig
 from dspark_jax.convert.check import INDEX_FILE, SINGLE_FILE
 from dspark_jax.convert.importer import ImportFolderError, import_folder
 from dspark_jax.model.params import to_host
-from dspark_jax.train import checkpoint
 
 
 class DrafterLoadError(ValueError):
