@@ -1,4 +1,4 @@
-"""dspark_jax.train.checkpoint.Checkpointer: composite save/restore, retention, meta."""
+"""dspark_jax.checkpoint.orbax_io.Checkpointer: composite save/restore, retention, meta."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The params-only Orbax checkpoint contract (dspark_jax/train/checkpoint.py)."""
+"""The params-only Orbax checkpoint contract (dspark_jax/checkpoint/orbax_io.py)."""
 
 from __future__ import annotations
 
