@@ -106,21 +106,23 @@ def load_drafter(
     path = Path(path)
     if not path.is_dir():
         raise DrafterLoadError(f"{path}: no such directory")
-    explicit_maps = d2t_path is not None or t2d_path is not None
     try:
         if not has_checkpoint_steps(path) and has_weights(path):
+            # config.json and the weights, each read once -> config -> model -> params
             drafter = read_drafter(path, verifier_path=verifier_path)
-            maps = drafter.vocab_maps
-            if explicit_maps:
-                maps = orbax_io.load_checkpoint_vocab_maps(path, drafter.cfg, d2t_path, t2d_path)
-            source = f"speculators folder {path}"
-            return LoadedDrafter(drafter.cfg, to_host(drafter.params), None, maps, source)
-        loaded = orbax_io.load_params(path, step)  # meta (config) -> model -> params
-        maps = orbax_io.load_checkpoint_vocab_maps(path, loaded.cfg, d2t_path, t2d_path)
+            cfg, params, maps = drafter.cfg, to_host(drafter.params), drafter.vocab_maps
+            step, source = None, f"speculators folder {path}"
+        else:
+            loaded = orbax_io.load_params(path, step)  # meta (config) -> model -> params
+            cfg, params, maps = loaded.cfg, loaded.params, None
+            step, source = loaded.step, f"Orbax checkpoint {path} step {loaded.step}"
+        # The vocab maps: explicit paths win over those stored with the drafter (a
+        # checkpoint keeps them beside its steps).
+        if maps is None or d2t_path is not None or t2d_path is not None:
+            maps = orbax_io.load_checkpoint_vocab_maps(path, cfg, d2t_path, t2d_path)
     except (ImportFolderError, orbax_io.CheckpointError) as e:
         raise DrafterLoadError(str(e)) from None
-    source = f"Orbax checkpoint {path} step {loaded.step}"
-    return LoadedDrafter(loaded.cfg, loaded.params, loaded.step, maps, source)
+    return LoadedDrafter(cfg, params, step, maps, source)
 
 
 def read_drafter(
