@@ -10,7 +10,7 @@ valid position probability min(1, A / N). Prints one JSON line: the share of doc
 (and of documents shorter than the median) that get no anchor in their row, and the
 share of supervised positions that are anchors, per rule.
 
-    python bench/anchor_coverage.py /work/demo_prepared_fp32/data --seq 1024 --anchors 32 --block 8
+    python bench/anchor_coverage.py runs/demo/data --seq 1024 --anchors 32 --block 8
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Sub-commands (each prints JSON lines; none trains):
   folders) scored on the validation rows under ``--keys`` anchor draws, the same draws
   for every drafter: how much of a validation number is anchor sampling, and a paired
   comparison of ours and the reference's drafters free of it.
-* ``table``: the 3 x 2 table from finished runs (``/work/runs/{baseline,reference}_s{seed}``):
+* ``table``: the 3 x 2 table from finished runs (``runs/{baseline,reference}_s{seed}``):
   per-epoch validation loss, accept_len, full_acc, per-position acceptance, mean and
   spread (sample std and max-min) over seeds, and 100-step windows of the training
   metrics. ``--markdown`` prints the bench/README table.
@@ -26,7 +26,7 @@ Usage:
   python bench/seed_study.py plan --data-path DIR [--seeds 42 1 2] [--epochs 2]
   python bench/seed_study.py anchors --data-path DIR [--seed 42] [--draws 20]
   python bench/seed_study.py valnoise --data-path DIR --checkpoint RUN/checkpoints RUN2/model
-  python bench/seed_study.py table [--runs /work/runs] [--seeds 42 1 2] [--markdown] \
+  python bench/seed_study.py table [--runs runs] [--seeds 42 1 2] [--markdown] \
       [--valnoise FILE.jsonl]
 
 The runs themselves: ``python -m dspark_jax.train --config configs/demo/train.yaml
@@ -221,7 +221,7 @@ def cmd_valnoise(ns) -> None:
     import jax.numpy as jnp
 
     from dspark_jax import optim, parallel
-    from dspark_jax.convert.load import load_drafter
+    from dspark_jax.checkpoint.load import load_drafter
     from dspark_jax.train import flags
     from dspark_jax.train.metrics_log import normalize_counted_metrics
     from dspark_jax.train.trainer import Trainer
@@ -460,7 +460,7 @@ def main() -> None:
     b.add_argument("--draws", type=int, default=20)
     b.add_argument("--max-rows", type=int, default=200)
     c = sub.add_parser("table")
-    c.add_argument("--runs", default="/work/runs")
+    c.add_argument("--runs", default="runs")
     c.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
     c.add_argument("--markdown", action="store_true")
     c.add_argument("--partial", action="store_true", help="include runs without DONE")

@@ -156,10 +156,10 @@ def _main(argv: list[str]) -> int:
             print(report.format())
         return 0 if report.ok else 1
 
+    from dspark_jax.checkpoint.orbax_io import CheckpointError
     from dspark_jax.cli import reraise_if_debug
     from dspark_jax.convert.check import CheckError
     from dspark_jax.data.vocab import VocabError
-    from dspark_jax.train.checkpoint import CheckpointError
 
     try:
         if args.command == "export":

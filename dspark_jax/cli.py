@@ -22,6 +22,10 @@ GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (jax/_src/hardware_utils.py)
 GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
 
 
+class ConfigError(ValueError):
+    """A user-facing configuration error; the CLI prints it and exits with status 2."""
+
+
 def debug_enabled(argv: Sequence[str] = ()) -> bool:
     """``--debug`` among this command's own flags, or ``DSPARK_DEBUG`` set (not 0)."""
     own = list(argv)[: list(argv).index("--")] if "--" in argv else list(argv)

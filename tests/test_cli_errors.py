@@ -32,8 +32,8 @@ def inputs(tmp_path_factory):
     """Bad inputs, one per path the issue lists."""
     from safetensors.numpy import load_file, save_file
 
+    from dspark_jax.checkpoint import orbax_io
     from dspark_jax.convert.export import export_params
-    from dspark_jax.train import checkpoint as orbax_io
     from launch.prepare_data import prepare
     from tests.converters.helpers import base_config, random_params
     from tests.data.conftest import make_tiny_data

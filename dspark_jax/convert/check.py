@@ -29,6 +29,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors read
 import numpy as np
 from safetensors import safe_open
 
+from dspark_jax.checkpoint.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
 from dspark_jax.config import (
     ROPE_KEYS,
     ROPE_TYPES,
@@ -39,9 +40,6 @@ from dspark_jax.config import (
 from dspark_jax.convert import vllm_rules
 
 TARGETS = ("vllm", "speculators")
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 # Frozen verifier tensors: never part of a drafter folder.
 FROZEN_KEYS = {
@@ -448,19 +446,6 @@ def _check_config(d: dict, c: _Checker, target: str) -> None:
 
 
 # ---------------------------------------------------------------- tensor checks
-def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files a loader reads (all of ``*.safetensors`` unless an index
-    lists them, as vLLM does), and the index weight map if any."""
-    index = folder / INDEX_FILE
-    if index.exists():
-        try:
-            wmap = dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{index}: no valid weight_map ({e})") from None
-        return sorted({folder / f for f in wmap.values()}), wmap
-    return sorted(folder.glob("*.safetensors")), None
-
-
 def tensor_headers(
     folder: Path, c: _Checker | None = None, *, pt_metadata: bool = True
 ) -> dict[str, tuple[tuple, str, Path]]:

@@ -34,8 +34,16 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dspark_jax import file_mode
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.config import DSparkConfig
-from dspark_jax.convert.card import CARD_FILE, CardInputs, model_card
+from dspark_jax.convert.card import (
+    CARD_FILE,
+    RUN_FILE,
+    CardInputs,
+    model_card,
+    run_command,
+    run_values,
+)
 from dspark_jax.convert.check import (
     CONFIG_FILE,
     SINGLE_FILE,
@@ -48,7 +56,6 @@ from dspark_jax.convert.vllm_rules import CALIBRATION_FILE
 from dspark_jax.data.vocab import check_vocab_maps
 from dspark_jax.eval import calibration as calib
 from dspark_jax.model.params import to_speculators
-from dspark_jax.train import checkpoint, flags
 
 logger = logging.getLogger(__name__)
 
@@ -346,8 +353,8 @@ def export_checkpoint(
     arguments: :func:`export_params`. Returns the check report and the step exported.
     """
     check_destination(Path(out_dir), kwargs.get("overwrite", False), protect=(Path(ckpt_dir),))
-    loaded = checkpoint.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
-    maps = checkpoint.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
+    loaded = orbax_io.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
+    maps = orbax_io.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
     card = _card_inputs(ckpt_dir, out_dir, loaded.step)
     if eval_dir is not None:
         card = dataclasses.replace(
@@ -363,17 +370,16 @@ def export_checkpoint(
 
 def _card_inputs(ckpt_dir, out_dir, step: int) -> CardInputs:
     """The training command and sequence length of the run, from its run.yaml."""
-    run_yaml = Path(ckpt_dir) / "run.yaml"
+    run_yaml = Path(ckpt_dir) / RUN_FILE
     if not run_yaml.is_file():
         return CardInputs(name=Path(out_dir).name, step=step)
     try:
-        values = flags.read_run_yaml(run_yaml)
-        command = flags.command_line(run_yaml)
-    except flags.ConfigError as e:
-        raise ExportError(f"{run_yaml}: {e}") from None
+        values = run_values(run_yaml)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     return CardInputs(
         name=Path(out_dir).name,
         step=step,
-        train_command=command,
+        train_command=run_command(values),
         total_seq_len=values.get("total_seq_len"),
     )

@@ -5,7 +5,7 @@
         --dataset heldout=runs/demo/heldout [--dataset code=/data/humaneval ...] \\
         --output-dir runs/demo/eval
 
-The checkpoint is a training/params Orbax directory (:mod:`dspark_jax.train.checkpoint`) or
+The checkpoint is a training/params Orbax directory (:mod:`dspark_jax.checkpoint.orbax_io`) or
 an exported speculators folder (``config.json`` + ``model.safetensors``; imported
 into a temporary checkpoint first). Each dataset is a prepared folder with its
 hidden states (the training formats), evaluated whole: rows packed to
@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.checkpoint import load
 from dspark_jax.config import DSparkConfig, verifier_norm_style
-from dspark_jax.convert import load
 from dspark_jax.data.verifier import load_verifier_tensors, verifier_model_type
 from dspark_jax.eval import acceptance, calibration, report
 from dspark_jax.eval.slot_statistics import row_statistics

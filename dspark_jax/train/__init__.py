@@ -6,7 +6,9 @@
 * ``trainer``: the loop: sharded jit step, validation, checkpoints, resume, signals.
 * ``dry_run``: ``--dry-run``: initialise, save, and report what the run needs.
 * ``metrics_log``: the reference's metric names, the JSONL/TensorBoard log, progress lines.
-* ``checkpoint``: the Orbax checkpoint format (the one owner of it).
+
+Checkpoints (the Orbax format) and the drafter loader live below, in
+:mod:`dspark_jax.checkpoint`.
 
 Nothing is imported here, so that importing one module stays cheap.
 """

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-from dspark_jax.train.flags import ConfigError
+from dspark_jax.cli import ConfigError
 
 GIB = 2**30
 # docs/tpu.md, "HBM per chip": the Google Cloud TPU docs' figures, read as GiB (their

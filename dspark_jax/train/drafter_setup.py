@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from dspark_jax.checkpoint import load
 from dspark_jax.config import DSparkConfig, decoder_fields_from_qwen3, verifier_norm_style
-from dspark_jax.convert import load
 from dspark_jax.data.hs_names import EXTRACTION_CONFIG
 from dspark_jax.data.vocab import resolve_vocab_maps
 from dspark_jax.train.flags import ConfigError, TrainArgs

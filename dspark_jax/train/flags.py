@@ -44,6 +44,8 @@ from typing import Any
 
 import yaml
 
+from dspark_jax.cli import ConfigError
+
 SUPPORTED, NO_EFFECT, ONLINE, OTHER_TYPE = "supported", "no_effect", "online", "other_type"
 SPECULATOR_TYPE = "dspark"
 # Groups of the reference's run.yaml (schema._GROUPS), then ours.
@@ -77,10 +79,6 @@ DEMO_PREPARE_COMMAND = (
     "launch.extract_hidden_states --backend hf --model configs/demo/verifier "
     "--preprocessed-data runs/demo/data --target-layer-ids 1 2 3"
 )
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error; the CLI prints it and exits with status 2."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,13 +51,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import optim, parallel
+from dspark_jax.checkpoint.orbax_io import FORMAT as CHECKPOINT_FORMAT  # what the converters read
+from dspark_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, unreadable_reason
 from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData
 from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
 from dspark_jax.train import drafter_setup, flags, online_setup, throughput
-from dspark_jax.train.checkpoint import FORMAT as CHECKPOINT_FORMAT  # what the converters read
-from dspark_jax.train.checkpoint import Checkpointer, CheckpointError, unreadable_reason
 from dspark_jax.train.dry_run import dry_run
 from dspark_jax.train.flags import ConfigError, TrainArgs
 from dspark_jax.train.metrics_log import (
@@ -583,7 +583,7 @@ class Trainer:
                 args.save(args.save_path)
                 self.cfg.save_json(Path(args.save_path) / "config.json")
                 if self.setup.vocab_maps is not None:
-                    from dspark_jax.train.checkpoint import save_checkpoint_vocab_maps
+                    from dspark_jax.checkpoint.orbax_io import save_checkpoint_vocab_maps
 
                     save_checkpoint_vocab_maps(args.save_path, self.cfg, *self.setup.vocab_maps)
             self.metrics.hparams(flags.run_config(args), self.global_step)

@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from dspark_jax.checkpoint.orbax_io import abstract_params
 from dspark_jax.config import DSparkConfig
-from dspark_jax.train.checkpoint import abstract_params
 from tests.tiny_configs import VT, H, base_config  # noqa: E402,F401
 
 

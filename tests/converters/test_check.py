@@ -17,11 +17,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from dspark_jax.checkpoint.orbax_io import abstract_params
 from dspark_jax.convert.check import check_folder, expected_tensors
 from dspark_jax.convert.export import export_params
 from dspark_jax.convert.vllm_rules import RULES, Verifier
 from dspark_jax.model.params import speculators_key
-from dspark_jax.train.checkpoint import abstract_params
 from tests.converters.helpers import base_config, make_vocab, random_params, write_verifier
 
 # The tiny drafters' verifier: 4 layers (aux ids 1, 3), vocabulary 64, hidden 32.

@@ -16,9 +16,9 @@ import pytest
 from safetensors import safe_open
 
 from converters.__main__ import main
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.check import check_folder
 from dspark_jax.eval import calibration
-from dspark_jax.train import checkpoint as orbax_io
 from dspark_jax.train import drafter_setup
 from dspark_jax.train import flags as cli
 from tests.converters.helpers import base_config, make_vocab, random_params

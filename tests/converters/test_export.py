@@ -12,11 +12,11 @@ import pytest
 from safetensors import safe_open
 
 from converters.__main__ import main
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.check import check_folder
 from dspark_jax.convert.export import ExportError, export_checkpoint, export_params
 from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.params import to_speculators
-from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import (
     base_config,
     make_vocab,
@@ -235,3 +235,32 @@ def test_export_is_readable_by_others(tmp_path):
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
     for name in ("config.json", "model.safetensors"):
         assert stat.S_IMODE((tmp_path / "out" / name).stat().st_mode) == 0o644, name
+
+
+def test_card_command_is_the_run_yaml_as_the_trainer_spells_it(tmp_path):
+    # The card reads run.yaml as a file (convert never imports the trainer); its command
+    # must equal the trainer's own rendering and parse back to the run's values.
+    from dspark_jax.convert.card import run_command, run_values
+    from dspark_jax.train import flags as cli
+
+    argv = ["--config", "configs/demo/train.yaml", "--data-path", str(tmp_path / "data")]
+    argv += ["--save-path", str(tmp_path / "ck"), "--target-layer-ids", "1", "2", "3"]
+    argv += ["--lr", "0.001", "--gradient-checkpointing", "--no-sample-from-anchor"]
+    argv += ["--no-enable-confidence-head"]
+    cli.resolve(argv).save(tmp_path)
+    values = run_values(tmp_path / "run.yaml")
+    assert values["total_seq_len"] == 1024 and values["target_layer_ids"] == [1, 2, 3]
+    command = run_command(values)
+    assert command == cli.command_line(tmp_path / "run.yaml")
+    assert "--no-sample-from-anchor" in command and "--gradient-checkpointing" in command
+    resolved = cli.resolve(["--config", str(tmp_path / "run.yaml")]).values
+    assert cli.resolve(command[3:]).values == resolved
+
+
+def test_an_unreadable_run_yaml_names_the_file(tmp_path):
+    cfg = base_config()
+    orbax_io.save_params_checkpoint(tmp_path / "ck", 1, cfg, random_params(cfg, seed=1))
+    (tmp_path / "ck" / "run.yaml").write_text("train: [unclosed\n")
+    with pytest.raises(ExportError, match=r"ck/run.yaml: not valid YAML"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "out", dtype="float32")
+    assert not (tmp_path / "out").exists()

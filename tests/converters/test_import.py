@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from converters.__main__ import main
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.export import export_checkpoint, export_params
 from dspark_jax.convert.importer import ImportFolderError, WarmStart, import_folder
-from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import (
     base_config,
     flat_params,
@@ -326,3 +326,37 @@ def test_truncated_safetensors_is_named(reduced, tmp_path, capsys):
     assert main(["check", str(tmp_path / "src")]) == 1
     assert f"{weights}: not a readable safetensors file" in capsys.readouterr().out
     assert not (tmp_path / "ck").exists()
+
+
+def test_load_drafter_reads_a_folder_as_its_import_does(reduced, tmp_path):
+    """The one-pass loader gives what importing the folder and loading the checkpoint give:
+    the same config, bit-identical params, the same vocab maps; explicit maps win."""
+    from dspark_jax.checkpoint.load import DrafterLoadError, load_drafter
+
+    root, cfg, params, maps, verifier = reduced
+    make_dflash(root / "src", tmp_path / "dflash")
+    for src in (root / "src", tmp_path / "dflash"):
+        ck = tmp_path / f"ck-{src.name}"
+        import_folder(src, ck, verifier_path=verifier)
+        want = orbax_io.load_params(ck, 0)
+        want_maps = orbax_io.load_checkpoint_vocab_maps(ck, want.cfg)
+        got = load_drafter(src, verifier_path=verifier)
+        assert got.cfg == want.cfg and got.step is None
+        assert got.source == f"speculators folder {src}"
+        a, b = flat_params(got.params), flat_params(want.params)
+        assert set(a) == set(b)
+        for k in b:
+            assert a[k].dtype == b[k].dtype == np.float32, k
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        for g, w in zip(got.vocab_maps, want_maps, strict=True):
+            assert g.dtype == w.dtype
+            np.testing.assert_array_equal(g, w)
+
+    other = make_vocab(cfg, seed=8)
+    for name, array in zip(("d2t", "t2d"), other, strict=True):
+        np.save(tmp_path / f"{name}.npy", array)
+    got = load_drafter(root / "src", d2t_path=tmp_path / "d2t.npy", t2d_path=tmp_path / "t2d.npy")
+    np.testing.assert_array_equal(got.vocab_maps[0], other[0])
+    np.testing.assert_array_equal(got.vocab_maps[1], other[1])
+    with pytest.raises(DrafterLoadError, match="give both d2t and t2d paths"):
+        load_drafter(root / "src", d2t_path=tmp_path / "d2t.npy")

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.config import DSparkConfig
-from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import base_config, random_params, write_verifier
 from tests.data.conftest import write_hs, write_prepared_dataset
 

@@ -11,11 +11,11 @@ import shutil
 import numpy as np
 import pytest
 
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.export import export_checkpoint
 from dspark_jax.eval import calibration
 from dspark_jax.eval import report as eval_report
 from dspark_jax.eval import runner as dspark_eval
-from dspark_jax.train import checkpoint as orbax_io
 from tests.eval.conftest import train_tiny
 
 COMMON = ["--total-seq-len", "128", "--anchors-per-call", "64"]

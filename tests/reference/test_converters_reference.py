@@ -27,6 +27,7 @@ pytestmark = pytest.mark.reference
 from flax import nnx
 from safetensors import safe_open
 
+from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.check import check_folder
 from dspark_jax.convert.export import export_checkpoint
 from dspark_jax.convert.importer import WarmStart, import_folder
@@ -38,7 +39,6 @@ from dspark_jax.model.draft import (
     row_loss,
 )
 from dspark_jax.model.params import to_speculators
-from dspark_jax.train import checkpoint as orbax_io
 from tests.converters.helpers import (
     base_config,
     flat_params,

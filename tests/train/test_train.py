@@ -311,8 +311,8 @@ def test_sigterm_then_restart_continues_exactly(baseline, learn, tmp_path, compi
 def test_from_pretrained_sources(baseline, learn, tmp_path):
     """An Orbax checkpoint (a run's --save-path or `converters import`), a speculators
     folder and a config-only folder all start a run; shaping flags may not disagree."""
+    from dspark_jax.checkpoint import orbax_io
     from dspark_jax.convert.export import export_checkpoint
-    from dspark_jax.train import checkpoint as orbax_io
     from dspark_jax.train import drafter_setup as draft_init
 
     verifier, data = learn

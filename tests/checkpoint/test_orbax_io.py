@@ -1,4 +1,4 @@
-"""The params-only Orbax checkpoint contract (dspark_jax/train/checkpoint.py)."""
+"""The params-only Orbax checkpoint contract (dspark_jax/checkpoint/orbax_io.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from dspark_jax.train import checkpoint as orbax_io
-from dspark_jax.train.checkpoint import CheckpointError
+from dspark_jax.checkpoint import orbax_io
+from dspark_jax.checkpoint.orbax_io import CheckpointError
 from tests.converters.helpers import base_config, flat_params, make_vocab, random_params
 
 
