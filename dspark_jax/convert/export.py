@@ -355,7 +355,7 @@ def export_checkpoint(
     check_destination(Path(out_dir), kwargs.get("overwrite", False), protect=(Path(ckpt_dir),))
     loaded = orbax_io.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
     maps = orbax_io.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
-    card = _card_inputs(ckpt_dir, out_dir, loaded.step)
+    card = _card_inputs(ckpt_dir, out_dir, loaded.step, loaded.meta)
     if eval_dir is not None:
         card = dataclasses.replace(
             card, eval_summary=read_eval_summary(eval_dir, loaded.cfg, loaded.step)
@@ -368,11 +368,14 @@ def export_checkpoint(
     return report, loaded.step
 
 
-def _card_inputs(ckpt_dir, out_dir, step: int) -> CardInputs:
-    """The training command and sequence length of the run, from its run.yaml."""
+def _card_inputs(ckpt_dir, out_dir, step: int, meta: dict) -> CardInputs:
+    """The training command and sequence length of the run, from its run.yaml (which
+    holds the flags given) and the step's meta (the resolved sequence length)."""
     run_yaml = Path(ckpt_dir) / RUN_FILE
     if not run_yaml.is_file():
-        return CardInputs(name=Path(out_dir).name, step=step)
+        return CardInputs(
+            name=Path(out_dir).name, step=step, total_seq_len=meta.get("total_seq_len")
+        )
     try:
         values = run_values(run_yaml)
     except ValueError as e:
@@ -381,5 +384,5 @@ def _card_inputs(ckpt_dir, out_dir, step: int) -> CardInputs:
         name=Path(out_dir).name,
         step=step,
         train_command=run_command(values),
-        total_seq_len=values.get("total_seq_len"),
+        total_seq_len=values.get("total_seq_len", meta.get("total_seq_len")),
     )

@@ -371,6 +371,7 @@ class Trainer:
             "best_step": self.ckpt.best_step,
             "seed": self.args.seed,
             "rows_per_step": self.rows_per_step,
+            "total_seq_len": self.args.total_seq_len,  # the card's, when run.yaml omits it
         }
         if metrics is not None:
             meta["metrics"] = metrics

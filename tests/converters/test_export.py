@@ -264,3 +264,14 @@ def test_an_unreadable_run_yaml_names_the_file(tmp_path):
     with pytest.raises(ExportError, match=r"ck/run.yaml: not valid YAML"):
         export_checkpoint(tmp_path / "ck", tmp_path / "out", dtype="float32")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_card_takes_a_default_sequence_length_from_the_checkpoint(tmp_path):
+    # run.yaml holds the flags given; a run on the default --total-seq-len records the
+    # resolved value in each step's meta, and the card shows it.
+    cfg = base_config()
+    ck = tmp_path / "ck"
+    orbax_io.save_params_checkpoint(ck, 1, cfg, random_params(cfg), meta={"total_seq_len": 8192})
+    (ck / "run.yaml").write_text("train:\n  lr: 0.001\n")
+    export_checkpoint(ck, tmp_path / "out", dtype="float32", verifier_name_or_path="v")
+    assert "| Sequence length | 8192 |" in (tmp_path / "out" / "README.md").read_text()
