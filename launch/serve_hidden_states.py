@@ -80,7 +80,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from launch.hf_extract import add_compute_dtype
+from launch.hf_extract import add_hf_forward_flags
 
 log = logging.getLogger("launch.serve")
 
@@ -655,7 +655,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="longest prompt accepted (default: max_position_embeddings)",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_compute_dtype(ap)
+    add_hf_forward_flags(ap)
     ap.add_argument("--hidden-states-backend", choices=["file", "mooncake"], required=True)
     g = ap.add_argument_group("file backend")
     g.add_argument(
