@@ -156,6 +156,10 @@ class Publisher:
     def close(self) -> None:
         """Wait for pending writes."""
 
+    def _attention(self) -> str:
+        impl = getattr(self.extractor, "attn_implementation", None)
+        return f", attention {impl}" if impl else ""
+
     def describe(self) -> str:
         return self.name
 
@@ -606,7 +610,7 @@ class HiddenStatesServer:
             f"serving {self.model} as {self.served_model_name} on "
             f"http://{host}:{self.port}/v1 "
             f"(layers {list(getattr(self.extractor, 'layer_ids', []))}, "
-            f"backend {self.publisher.describe()})"
+            f"backend {self.publisher.describe()}{self._attention()})"
         )
 
 

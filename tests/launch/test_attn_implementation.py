@@ -178,3 +178,24 @@ def test_choose():
         attn_impl.choose(gpt_oss, "flex_attention", "cpu")
     with pytest.raises(ValueError, match=r"^--attn-implementation spda: expected one of eager, "):
         attn_impl.choose(AutoConfig.for_model("llama"), "spda", "cpu")
+
+
+def test_regenerate_hf_runs_the_verifier_with_eager(tmp_path, gemma2_path, verifier_path, caplog):
+    """launch.regenerate --backend hf loads the verifier as the extractor does."""
+    from pathlib import Path
+
+    from launch import regenerate as rg
+
+    folder = tmp_path / "gemma2"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (folder / name).symlink_to(Path(gemma2_path) / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the demo's: the vocab fits
+        (folder / name).symlink_to(Path(verifier_path) / name)
+    argv = ["--data", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+            "--model", str(folder), "--backend", "hf", "--device", "cpu"]  # fmt: skip
+    with caplog.at_level("INFO", logger="launch.regenerate"):
+        rg.hf_backend(rg.parse_args(argv))
+    assert "hf backend: attention eager" in caplog.text
+    with pytest.raises(ValueError, match=r"^--attn-implementation sdpa: does not compute the ver"):
+        rg.hf_backend(rg.parse_args([*argv, "--attn-implementation", "sdpa"]))
