@@ -156,10 +156,6 @@ class Publisher:
     def close(self) -> None:
         """Wait for pending writes."""
 
-    def _attention(self) -> str:
-        impl = getattr(self.extractor, "attn_implementation", None)
-        return f", attention {impl}" if impl else ""
-
     def describe(self) -> str:
         return self.name
 
@@ -606,11 +602,13 @@ class HiddenStatesServer:
     def describe(self) -> str:
         host = self.host if self.host else "0.0.0.0"
         host = f"[{host}]" if ":" in host else host
+        impl = getattr(self.extractor, "attn_implementation", None)
+        attention = f", attention {impl}" if impl else ""
         return (
             f"serving {self.model} as {self.served_model_name} on "
             f"http://{host}:{self.port}/v1 "
             f"(layers {list(getattr(self.extractor, 'layer_ids', []))}, "
-            f"backend {self.publisher.describe()}{self._attention()})"
+            f"backend {self.publisher.describe()}{attention})"
         )
 
 

@@ -78,18 +78,19 @@ def gpt_oss_path(tmp_path_factory) -> str:
     )
 
 
-def _forward(path: str, impl: str, ids: list[int]) -> torch.Tensor:
-    """Slots LAYERS of a direct fp32 forward with ``impl``: [T, 3, H] (residual stream
-    after k layers is ``hidden_states[k]`` for k < 4)."""
+def _forwards(path: str, ids: list[int], dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Slots LAYERS of direct ``dtype`` forwards with eager and with sdpa: [T, 3, H] each
+    (the residual stream after k layers is ``hidden_states[k]`` for k < 4)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
-    model.config._attn_implementation = impl  # sdpa also where transformers refuses to load it
-    with torch.inference_mode():
-        hs = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-    return torch.stack([hs[k][0] for k in LAYERS], dim=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    out = {}
+    for impl in ("eager", "sdpa"):
+        model.config._attn_implementation = impl  # sdpa also where transformers refuses it
+        with torch.inference_mode():
+            hs = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        out[impl] = torch.stack([hs[k][0] for k in LAYERS], dim=1).double()
+    return out
 
 
 def _rows() -> list[list[int]]:
@@ -97,24 +98,31 @@ def _rows() -> list[list[int]]:
     return [g.integers(0, VOCAB, n).tolist() for n in (5, 24)]
 
 
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("fixture", "feature"),
     [("gemma2_path", "attention logit soft-capping"), ("gpt_oss_path", "attention sinks")],
 )
-def test_stored_hidden_states_are_the_forward_that_honours_the_feature(fixture, feature, request):
+def test_stored_hidden_states_are_the_forward_that_honours_the_feature(
+    fixture, feature, compute, request
+):
     path = request.getfixturevalue(fixture)
-    ex = HFExtractor(path, LAYERS, device="cpu", compute_dtype="float32", dtype="bfloat16")
+    ex = HFExtractor(path, LAYERS, device="cpu", compute_dtype=compute, dtype="bfloat16")
     assert ex.attn_implementation == "eager"
     assert [f.name.startswith(feature) for f in attn_impl.features(ex.model.config)] == [True]
+    dtype = getattr(torch, compute)
     for ids in _rows():
         stored = ex.extract([ids])[0][:, :3].double()  # slots 1 2 3; 4 is pre-norm
-        honours = _forward(path, "eager", ids).double()
-        drops = _forward(path, "sdpa", ids).double()
-        # stored = bf16(x), x the fp32 eager forward: one round to nearest, |error| <=
-        # BF16_U |x| (bf16 keeps 8 significant bits, half an ulp = 2^-8 relative)
+        forwards = _forwards(path, ids, dtype)
+        honours, drops = forwards["eager"], forwards["sdpa"]
+        # stored = bf16(x), x the eager forward in `compute` (the same kernels on the same
+        # row): one round to nearest, |error| <= BF16_U |x| (bf16 keeps 8 significant
+        # bits, half an ulp = 2^-8 relative); 0 when x is bf16 already
         bound = BF16_U * honours.abs()
         assert_within(stored, honours, bound, f"{fixture} vs eager, T={len(ids)}")
-        # the feature is live: dropping it moves the hidden states far beyond that
+        if compute == "bfloat16":
+            assert torch.equal(stored, honours)
+        # the feature is live: dropping it moves most hidden states far beyond that
         over = ((drops - honours).abs() > 4 * bound).double().mean()
         assert over > 0.5, (fixture, len(ids), float(over))
 
@@ -131,7 +139,7 @@ def test_cli_records_the_implementation(tmp_path, gemma2_path, small_prepared):
     assert record["attn_implementation"] == "eager" and record["compute_dtype"] == "float32"
     f = load_file(out / "hs_0.safetensors")
     ids = f["token_ids"].tolist()
-    want = _forward(gemma2_path, "eager", ids).double()
+    want = _forwards(gemma2_path, ids)["eager"]
     assert_within(f["hidden_states"][:, :3].double(), want, BF16_U * want.abs(), "cli")
 
 
