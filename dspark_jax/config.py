@@ -219,6 +219,10 @@ class DSparkConfig:
     # The verifier's final norm convention for the training targets: "plain" x * w, or
     # "gemma" x * (1 + w) (speculators' GEMMA_STYLE_FINAL_NORM_MODEL_TYPES).
     verifier_norm_style: str = "plain"
+    # Soft cap on the training targets' verifier logits, cap * tanh(t / cap): None is
+    # speculators' raw lm_head(norm(h)); a Gemma 2 verifier's final_logit_softcapping
+    # gives the logits vLLM serves (--verifier-logit-softcapping served; docs/math.md §3).
+    verifier_logit_softcapping: float | None = None
     # Recorded in config.json for serving; not used by the math.
     verifier_name_or_path: str | None = None
     verifier_architectures: tuple[str, ...] = ()
@@ -329,6 +333,12 @@ class DSparkConfig:
             raise ValueError(
                 f"DSparkConfig.verifier_norm_style: unknown style {self.verifier_norm_style!r}, "
                 f"expected one of {VERIFIER_NORM_STYLES}"
+            )
+        cap = self.verifier_logit_softcapping
+        if cap is not None and (not _is_num(cap) or cap <= 0):
+            raise ValueError(
+                f"DSparkConfig.verifier_logit_softcapping must be null or a positive number, "
+                f"got {cap!r}"
             )
         if not _is_num(self.rope_theta) or self.rope_theta <= 0:
             raise ValueError(f"DSparkConfig.rope_theta must be positive, got {self.rope_theta!r}")
@@ -443,6 +453,11 @@ class DSparkConfig:
             "target_hidden_size": self.target_hidden_size,
             # dspark-jax's record of the training targets' verifier norm (readers ignore it).
             "verifier_norm_style": self.verifier_norm_style,
+            **(
+                {"verifier_logit_softcapping": self.verifier_logit_softcapping}
+                if self.verifier_logit_softcapping is not None
+                else {}
+            ),
             "tie_word_embeddings": False,
             "dtype": "bfloat16",
             "speculators_config": {
@@ -499,6 +514,7 @@ class DSparkConfig:
             sliding_window_non_causal=bool(d.get("sliding_window_non_causal", False)),
             # Absent in folders speculators wrote: it decides from the verifier at load time.
             verifier_norm_style=d.get("verifier_norm_style") or "plain",
+            verifier_logit_softcapping=d.get("verifier_logit_softcapping"),
             verifier_name_or_path=verifier.get("name_or_path"),
             verifier_architectures=tuple(verifier.get("architectures") or ()),
         )
@@ -534,6 +550,7 @@ TOP_LEVEL_TYPES = {
     "confidence_head_with_markov": "bool",
     "sliding_window_non_causal": "bool",
     "markov_head_type": "str",
+    "verifier_logit_softcapping": "number|null",
 }
 LAYER_TYPES_JSON = {
     "hidden_size": "int",
@@ -556,6 +573,7 @@ KIND_WORDS = {
     "int": "an int",
     "int|null": "an int or null",
     "number": "a number",
+    "number|null": "a number or null",
     "bool": "true or false",
     "str": "a string",
     "list[int]": "a list of ints",

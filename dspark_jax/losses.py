@@ -45,6 +45,7 @@ __all__ = [
     "fixed_exp_decay_weights",
     "parse_loss_fn",
     "per_position_values",
+    "soft_cap",
 ]
 
 # Names as in speculators' loss maps (``_EAGER_LOSS_FN_MAP``); all are implemented.
@@ -232,6 +233,16 @@ def _chunk_values(z: jax.Array, t: jax.Array, terms: tuple[str, ...]) -> dict[st
     return out
 
 
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(logits / cap)`` (any shape, fp32 in and out); ``cap=None``: logits.
+
+    vLLM's ``LogitsProcessor(soft_cap=config.final_logit_softcapping)``: the logits a
+    Gemma 2 verifier serves (docs/math.md §3)."""
+    if cap is None:
+        return logits
+    return cap * jnp.tanh(logits / cap)
+
+
 def per_position_values(
     draft_hidden: jax.Array,
     lm_head: jax.Array,
@@ -242,6 +253,7 @@ def per_position_values(
     *,
     terms: tuple[str, ...],
     chunk_size: int = 1024,
+    target_softcap: float | None = None,
 ) -> dict[str, jax.Array]:
     """Per-slot loss values of one packed row, computed in token chunks.
 
@@ -261,6 +273,9 @@ def per_position_values(
         terms: loss-term names from PER_POSITION_TERMS to compute.
         chunk_size: slots per chunk C. Peak extra memory is a few fp32 [C, Vd] arrays.
             Q need not be a multiple of C (the last chunk is zero-padded).
+        target_softcap: None (speculators: the targets are the verifier head's raw
+            logits) or the cap of :func:`soft_cap`, applied to each chunk's fp32 target
+            logits (the logits a verifier with ``final_logit_softcapping`` serves).
 
     Matmul operands are cast to the activation dtype (draft_hidden's for the draft
     logits, markov_feature's for the bias, target_hidden's for the target logits) and
@@ -326,7 +341,7 @@ def per_position_values(
             preferred_element_type=jnp.float32,
             precision=_precision(th.dtype),
         )
-        return carry, _chunk_values(z, t, terms)
+        return carry, _chunk_values(z, soft_cap(t, target_softcap), terms)
 
     _, ys = jax.lax.scan(body, None, xs)
     return {k: v.reshape(padded)[:num_slots] for k, v in ys.items()}

@@ -48,7 +48,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.hf_extract import add_compute_dtype  # noqa: E402
+from launch.hf_extract import add_hf_forward_flags  # noqa: E402
 from launch.hs_files import (  # noqa: E402
     HiddenStatesError,
     existing_indices,
@@ -204,6 +204,7 @@ def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Sum
             "hidden_size": ex.hidden_size,
             "dtype": ex.dtype_name,
             "compute_dtype": ex.compute_dtype_name,
+            "attn_implementation": ex.attn_implementation,
             "model": args.model,
             "backend": "hf",
         },
@@ -218,8 +219,9 @@ def run_hf(args, rows: Rows, out_dir: Path, indices: Sequence[int], summary: Sum
         summary=summary,
     )
     log.info(
-        "hf backend: computes in %s, stores %s, layers %s, %d rows to extract",
+        "hf backend: computes in %s (attention %s), stores %s, layers %s, %d rows to extract",
         ex.compute_dtype_name,
+        ex.attn_implementation,
         ex.dtype_name,
         ex.layer_ids,
         len(todo),
@@ -493,7 +495,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g = ap.add_argument_group("hf backend")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
-    add_compute_dtype(g)
+    add_hf_forward_flags(g)
     g.add_argument("--batch-size", type=int, default=8, help="rows per forward")
     g.add_argument(
         "--max-tokens-per-batch", type=int, default=16384, help="padded tokens per forward"

@@ -19,6 +19,11 @@ Rows of a batch are right-padded; with causal attention the real positions never
 see the padding, but a batched forward may differ from a one-row forward in the
 last bits (different kernel shapes). ``batch_size=1`` reproduces a direct forward
 exactly.
+
+The attention implementation is chosen per config (:mod:`launch.attn_implementation`):
+eager where sdpa would drop a feature vLLM computes (Gemma 2's attention soft-capping,
+attention sinks), transformers' default otherwise; ``attn_implementation`` overrides
+and :attr:`HFExtractor.attn_implementation` says what the forward runs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from launch import attn_implementation as attn_impl
 from launch.hs_files import dtype_name, resolve_layer_ids
 from launch.vllm_dtype import serving_dtype, target_capability
 
@@ -63,14 +69,16 @@ def check_loading_info(model: str, info: dict) -> None:
         )
 
 
-def add_compute_dtype(parser) -> None:
-    """``--compute-dtype`` of the CLIs that run an :class:`HFExtractor`."""
+def add_hf_forward_flags(parser) -> None:
+    """``--compute-dtype`` and ``--attn-implementation`` of the CLIs that run an
+    :class:`HFExtractor`."""
     parser.add_argument(
         "--compute-dtype",
         default="auto",
         help="dtype the hf forward runs in; files store --dtype (auto: float32 on a CPU, "
         "--dtype on a GPU)",
     )
+    attn_impl.add_flag(parser)
 
 
 class HFExtractor:
@@ -89,6 +97,7 @@ class HFExtractor:
             compute_capability=args.compute_capability,
             device=args.device,
             trust_remote_code=args.trust_remote_code,
+            attn_implementation=args.attn_implementation,
         )
 
     def __init__(
@@ -125,8 +134,9 @@ class HFExtractor:
             "dtype": getattr(torch, compute),
             "trust_remote_code": trust_remote_code,
         }
-        if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
+        attn = attn_impl.choose(full, attn_implementation, device)
+        if attn is not None:
+            kwargs["attn_implementation"] = attn
         loaded, info = AutoModelForCausalLM.from_pretrained(
             model, output_loading_info=True, **kwargs
         )
@@ -140,6 +150,7 @@ class HFExtractor:
                 f"has {len(self.layers)}"
             )
         self.decoder = self.model.get_decoder()
+        self.attn_implementation = attn_impl.loaded_implementation(self.model)
         self.compute_dtype = next(self.model.parameters()).dtype
         self.dtype = getattr(torch, dtype)  # what extract() returns and files store
         self.model_name = model

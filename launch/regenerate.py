@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from launch import attn_implementation as attn_impl
 from launch.hs_files import commit_file
 
 log = logging.getLogger("launch.regenerate")
@@ -192,7 +193,7 @@ def hf_backend(args: argparse.Namespace) -> Backend:
     (fp32 on a CPU): our own decoding loop over the model's KV cache, which drops a row
     as soon as it ends (``generate`` computes every row until the longest ends)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     tok = AutoTokenizer.from_pretrained(args.model)
     if tok.chat_template is None:
@@ -204,7 +205,14 @@ def hf_backend(args: argparse.Namespace) -> Backend:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    # eager where sdpa would drop a feature vLLM computes (Gemma 2's soft-capping, sinks)
+    config = AutoConfig.from_pretrained(args.model)
+    kwargs = {"dtype": dtype}
+    attn = attn_impl.choose(config, args.attn_implementation, device)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).to(device).eval()
+    log.info("hf backend: attention %s", attn_impl.loaded_implementation(model))
     eos = model.generation_config.eos_token_id
     eos = tok.eos_token_id if eos is None else eos
     eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
@@ -476,6 +484,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-retries", type=int, default=3, help="openai: HTTP retries")
     ap.add_argument("--batch-size", type=int, default=64, help="hf: prompts per generate call")
     ap.add_argument("--device", default=None, help="hf: torch device (default cuda if any)")
+    attn_impl.add_flag(ap)  # hf
     ap.add_argument("--threads", type=int, default=None,
                     help="hf: torch CPU threads (default torch's; 1 is much faster on a "
                     "loaded machine, where waiting threads spin)")  # fmt: skip

@@ -80,7 +80,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from launch.hf_extract import add_compute_dtype
+from launch.hf_extract import add_hf_forward_flags
 
 log = logging.getLogger("launch.serve")
 
@@ -602,11 +602,13 @@ class HiddenStatesServer:
     def describe(self) -> str:
         host = self.host if self.host else "0.0.0.0"
         host = f"[{host}]" if ":" in host else host
+        impl = getattr(self.extractor, "attn_implementation", None)
+        attention = f", attention {impl}" if impl else ""
         return (
             f"serving {self.model} as {self.served_model_name} on "
             f"http://{host}:{self.port}/v1 "
             f"(layers {list(getattr(self.extractor, 'layer_ids', []))}, "
-            f"backend {self.publisher.describe()})"
+            f"backend {self.publisher.describe()}{attention})"
         )
 
 
@@ -655,7 +657,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="longest prompt accepted (default: max_position_embeddings)",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_compute_dtype(ap)
+    add_hf_forward_flags(ap)
     ap.add_argument("--hidden-states-backend", choices=["file", "mooncake"], required=True)
     g = ap.add_argument_group("file backend")
     g.add_argument(

@@ -185,6 +185,18 @@ def test_verifier_norm_style():
     assert DSparkConfig.from_speculators_dict(d).verifier_norm_style == "plain"
 
 
+def test_verifier_logit_softcapping_field():
+    assert "verifier_logit_softcapping" not in DSparkConfig(**BASE).to_speculators_dict()
+    d = DSparkConfig(**BASE, verifier_logit_softcapping=30.0).to_speculators_dict()
+    assert d["verifier_logit_softcapping"] == 30.0
+    assert DSparkConfig.from_speculators_dict(d).verifier_logit_softcapping == 30.0
+    for bad in (0.0, -1.0, float("inf"), "30"):
+        with pytest.raises(ValueError, match=r"verifier_logit_softcapping must be null or a pos"):
+            DSparkConfig(**BASE, verifier_logit_softcapping=bad)
+    with pytest.raises(ValueError, match=r"verifier_logit_softcapping must be a number or null"):
+        DSparkConfig.from_speculators_dict({**d, "verifier_logit_softcapping": "30"})
+
+
 @pytest.mark.reference
 def test_reads_config_saved_by_speculators(tmp_path):
     from tests.reference.harness import reference_config

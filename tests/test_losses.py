@@ -17,7 +17,7 @@ from dspark_jax.losses import (
     parse_loss_fn,
     per_position_values,
 )
-from tests.numerics import BF16_U, U, assert_within
+from tests.numerics import BF16_U, U, assert_within, log_softmax64
 from tests.numerics import logit_chain_bound as _fp32_scales
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -246,6 +246,58 @@ def test_targets_get_no_gradient_and_markov_is_optional(oracle):
     k, A, _, _ = _fp32_scales(h, w, th, wv)  # as in the chunked test, no Markov term
     assert_within(got["ce"], want["ce"], k * U * A, "ce")
     assert set(got) == {"ce", "accept", "pred_ids", "target_ids"}
+
+
+def _softcap_oracle(z, t, cap):
+    """float64 per-slot values with targets softmax(cap * tanh(t / cap)) (cap None: t)."""
+    z64, t64 = np.asarray(z, np.float64), np.asarray(t, np.float64)
+    if cap is not None:
+        t64 = cap * np.tanh(t64 / cap)
+    logq, logp = log_softmax64(z64), log_softmax64(t64)
+    q, p = np.exp(logq), np.exp(logp)
+    overlap = np.minimum(q, p).sum(-1)
+    want = {
+        "kl_div": (p * (logp - logq)).sum(-1),
+        "rkl": (q * (logq - logp)).sum(-1),
+        "tv": 1.0 - overlap,
+        "accept": overlap,
+    }
+    spread = ((q + p) * (1 + np.abs(logq) + np.abs(logp))).sum(-1)
+    return want, t64.argmax(-1), spread
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])  # speculators' targets; the served ones
+def test_target_softcap_matches_a_direct_computation(cap):
+    """--verifier-logit-softcapping: the targets are softmax(cap * tanh(t / cap)) of the
+    verifier logits t (vLLM's Gemma 2 logits), or softmax(t) (the reference)."""
+    g = np.random.default_rng(3)
+    z = jnp.asarray(g.normal(0, 3, (12, 16)), jnp.float32)
+    t = jnp.asarray(g.normal(0, 6, (12, 16)), jnp.float32)  # |t| >> 2: the cap bites
+    eye = jnp.eye(16, dtype=jnp.float32)  # H = V: the heads pass the logits through exactly
+    terms = ("kl_div", "rkl", "tv")
+    got = jax.jit(
+        lambda z, t: per_position_values(
+            z, eye, t, eye, terms=terms, chunk_size=5, target_softcap=cap
+        )  # fmt: skip
+    )(z, t)
+    want, target_ids, spread = _softcap_oracle(z, t, cap)
+    # fp32 vs float64: logit_chain_bound's k u A (it counts two fp32 sides, so it covers
+    # one), with the capped logits as the targets; plus the cap's own round-off: t / cap,
+    # tanh (XLA's fp32 tanh is a rational approximation within a few ulps: 8 allowed)
+    # and the product move each capped logit by <= d = 10 u cap (|cap tanh| <= cap); a
+    # shift <= d of every target logit moves log p by <= 2d and p by <= 2d relative, so a
+    # kl / rkl / tv / overlap value by <= 2d (1 + sum_v (q + p)(1 + |log q| + |log p|)).
+    t64 = np.asarray(t, np.float64)
+    capped = t64 if cap is None else cap * np.tanh(t64 / cap)
+    k, a, _, _ = _fp32_scales(z, np.eye(16), capped, np.eye(16))
+    d = 0.0 if cap is None else 10 * U * cap
+    bound = k * U * a + 2 * d * (1 + spread)
+    for name, value in want.items():
+        assert_within(got[name], value, bound, f"{name}, cap {cap}")
+    np.testing.assert_array_equal(got["target_ids"], target_ids)
+    if cap is not None:  # the two forms differ: the cap is live
+        other, _, _ = _softcap_oracle(z, t, None)
+        assert (np.abs(np.asarray(got["kl_div"]) - other["kl_div"]) > bound).all()
 
 
 def test_argmax_takes_first_max_on_ties():

@@ -90,6 +90,7 @@ def _free_running_chunk(
     conf_with_markov: bool,
     d2t: jax.Array | None,
     start_pos: int,
+    target_softcap: float | None,
 ) -> dict[str, jax.Array]:
     num, block = teacher_prev.shape
     w2 = markov_head.w2_kernel()
@@ -113,7 +114,9 @@ def _free_running_chunk(
         k, h_k, th_k, tp_k = xs
         key, sub = jax.random.split(key)
         base = _dot(h_k, lm_head)  # [C, Vd] fp32, shared by both paths
-        logp = jax.nn.log_softmax(_dot(th_k, verifier_head), axis=-1)
+        logp = jax.nn.log_softmax(
+            losses.soft_cap(_dot(th_k, verifier_head), target_softcap), axis=-1
+        )
         target = jnp.argmax(logp, axis=-1)
         teacher = k <= start_pos
         prev_s = jnp.where(teacher, tp_k, prev_s)
@@ -159,6 +162,7 @@ def slot_statistics(
     start_pos: int = 0,
     anchor_chunk: int = 64,
     vocab_chunk_tokens: int = 1024,
+    target_softcap: float | None = None,
 ) -> dict[str, jax.Array]:
     """Per-slot acceptance values of A blocks of B slots (see the module docstring).
 
@@ -176,6 +180,7 @@ def slot_statistics(
       start_pos: 0 (sample_from_anchor) or 1 (slot 0 is the anchor itself).
       anchor_chunk: blocks per free-running chunk ([anchor_chunk, Vd] logits).
       vocab_chunk_tokens: slots per chunk of the teacher-forced values.
+      target_softcap: cap on the verifier logits (``losses.soft_cap``; None: raw).
 
     Returns ``{name: [A, B]}`` for the names in :data:`STAT_KEYS` (the ``conf_*`` ones
     only with a confidence head).
@@ -203,6 +208,7 @@ def slot_statistics(
         None if markov_head is None else markov_head.w2_kernel(),
         terms=(),
         chunk_size=vocab_chunk_tokens,
+        target_softcap=target_softcap,
     )
     out = {
         "accept_tf": values["accept"].reshape(num, block),
@@ -243,6 +249,7 @@ def slot_statistics(
             conf_with_markov=conf_with_markov,
             d2t=d2t,
             start_pos=start_pos,
+            target_softcap=target_softcap,
         )
 
     fr = jax.lax.map(run, (chunks(hidden), chunks(tgt_hidden), chunks(teacher_prev), keys))
@@ -294,6 +301,7 @@ def row_statistics(
         start_pos=0 if cfg.sample_from_anchor else 1,
         anchor_chunk=anchor_chunk,
         vocab_chunk_tokens=vocab_chunk_tokens,
+        target_softcap=cfg.verifier_logit_softcapping,
     )
     mask = anchor_ops.slot_loss_mask(row["loss_mask"], anchors, valid, b, cfg.sample_from_anchor)
     stats["mask"] = mask.reshape(num, b)

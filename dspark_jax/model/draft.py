@@ -287,6 +287,7 @@ def row_loss(
         model.markov_w2(),
         terms=tuple(name for name, _ in settings.loss_weights),
         chunk_size=settings.vocab_chunk_tokens,
+        target_softcap=cfg.verifier_logit_softcapping,
     )
     mask = anchor_ops.slot_loss_mask(
         row["loss_mask"], anchors, valid, cfg.block_size, cfg.sample_from_anchor

@@ -444,6 +444,48 @@ def resolve_verifier_norm_style(args: TrainArgs, verifier: dict[str, Any]) -> st
     return choice
 
 
+# Families whose vLLM 0.33.0 model caps the logits it serves with the config's
+# final_logit_softcapping (LogitsProcessor(soft_cap=...)); others ignore the field.
+SERVED_SOFTCAP_MODEL_TYPES = frozenset(
+    ("gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text")
+)
+
+
+def resolve_verifier_logit_softcapping(args: TrainArgs, verifier: dict[str, Any]) -> float | None:
+    """The cap on the target logits: None (``--verifier-logit-softcapping reference``,
+    speculators' raw verifier logits) or, with ``served``, the verifier config's
+    ``final_logit_softcapping`` where vLLM applies it to the logits it serves."""
+    model_type = str(verifier.get("model_type") or "")
+    cap = verifier.get("final_logit_softcapping")
+    if model_type not in SERVED_SOFTCAP_MODEL_TYPES:
+        cap = None  # vLLM serves this family's logits uncapped
+    elif cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0
+    ):
+        raise ConfigError(
+            f"verifier {args.verifier_name_or_path}: config.json final_logit_softcapping must "
+            f"be null or a positive number, got {cap!r}"
+        )
+    if args.verifier_logit_softcapping == "served":
+        if cap is None:
+            log.info(
+                "--verifier-logit-softcapping served: vLLM serves verifier %s (model_type %r) "
+                "without a logit soft cap, so the served logits are the reference ones",
+                args.verifier_name_or_path,
+                model_type,
+            )
+        return None if cap is None else float(cap)
+    if cap is not None:
+        log.info(
+            "verifier %s serves soft-capped logits (final_logit_softcapping %s); the targets "
+            "are the uncapped ones, as speculators computes them (--verifier-logit-softcapping "
+            "served for the served ones)",
+            args.verifier_name_or_path,
+            cap,
+        )
+    return None
+
+
 def _fresh_config(args: TrainArgs, verifier: dict[str, Any], vocab_maps) -> DSparkConfig:
     if args.draft_config:
         decoder, source = (
@@ -468,6 +510,7 @@ def _fresh_config(args: TrainArgs, verifier: dict[str, Any], vocab_maps) -> DSpa
             confidence_head_with_markov=args.confidence_head_with_markov,
             sliding_window_non_causal=args.sliding_window_non_causal,
             verifier_norm_style=resolve_verifier_norm_style(args, verifier),
+            verifier_logit_softcapping=resolve_verifier_logit_softcapping(args, verifier),
             verifier_name_or_path=args.verifier_name_or_path,
             verifier_architectures=tuple(verifier.get("architectures") or ()),
         )
@@ -577,8 +620,19 @@ def build_draft(args: TrainArgs) -> DraftSetup:
                 setup.cfg.verifier_norm_style,
                 style,
             )
+        cap = resolve_verifier_logit_softcapping(args, verifier)
+        if cap != setup.cfg.verifier_logit_softcapping:
+            log.warning(
+                "--from-pretrained drafter records verifier_logit_softcapping=%s; training "
+                "with %s (--verifier-logit-softcapping %s)",
+                setup.cfg.verifier_logit_softcapping,
+                cap,
+                args.verifier_logit_softcapping,
+            )
         setup.cfg = setup.cfg.replace(
-            verifier_name_or_path=args.verifier_name_or_path, verifier_norm_style=style
+            verifier_name_or_path=args.verifier_name_or_path,
+            verifier_norm_style=style,
+            verifier_logit_softcapping=cap,
         )
         return setup
     maps = _vocab_maps(args, int(verifier["vocab_size"]))

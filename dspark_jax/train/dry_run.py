@@ -78,6 +78,11 @@ def _drafter_lines(trainer: PlannedRun, params) -> list[str]:
             f"{list(cfg.layer_types or [])}, window {cfg.sliding_window}, rope "
             f"{cfg.rope_scaling.rope_type} theta {cfg.rope_theta:g}, verifier norm "
             f"{cfg.verifier_norm_style}"
+            + (
+                f", target logits soft-capped at {cfg.verifier_logit_softcapping:g}"
+                if cfg.verifier_logit_softcapping is not None
+                else ""
+            )
         ),
         (
             f"vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}, block "

@@ -357,6 +357,10 @@ FLAGS: tuple[Flag, ...] = (
        help="The verifier's final norm for the training targets: plain x * w or gemma "
        "x * (1 + w); auto: speculators' choice from the verifier config's model_type "
        "(gemma for gemma/gemma2/gemma3/qwen3_5/recurrent_gemma families)."),
+    _f("verifier_logit_softcapping", "jax", "reference", choices=("reference", "served"),
+       help="The verifier logits the targets are: reference, lm_head(norm(h)) as "
+       "speculators computes them; served, cap * tanh(. / cap) with the verifier config's "
+       "final_logit_softcapping (Gemma 2), the logits vLLM serves (docs/math.md §3)."),
 )
 # fmt: on
 

@@ -432,6 +432,7 @@ def test_cli_serves_layers_ascending_in_vllms_dtype(tmp_path, verifier_path, ref
     srv = build_server(args).start()
     try:
         assert "(layers [1, 2, 3, 4], backend file" in srv.describe()
+        assert srv.describe().endswith(", attention sdpa)")  # Qwen3: transformers' default
         client = VllmClient(srv.base_url + "/v1", str(model), retry_backoff=0.01, lock_timeout=10)
         path = client.fetch(
             0, PROMPTS[0], tmp_path, num_slots=4, hidden_size=None, dtype="bfloat16"

@@ -236,3 +236,37 @@ def test_config_mismatch_raises_with_field_and_shapes():
         ValueError, match=r"FrozenWeights.lm_head: expected shape \(32, 40\), got \(32, 96\)"
     ):
         frozen.check(wrong)
+
+
+def test_the_configured_target_softcap_reaches_training_and_evaluation(monkeypatch):
+    """DSparkConfig.verifier_logit_softcapping (--verifier-logit-softcapping served) caps
+    the target logits of the loss and of every evaluation path; the numbers of the cap
+    itself (and that it changes the values): tests/test_losses.py::
+    test_target_softcap_matches_a_direct_computation."""
+    from dspark_jax import losses
+    from dspark_jax.eval.slot_statistics import row_statistics
+
+    rng = np.random.default_rng(0)
+    cfg = tiny_config(verifier_logit_softcapping=0.5)
+    row = {k: v[0] for k, v in random_batch(rng, cfg, rows=1, seq=40).items()}
+    frozen = random_frozen(rng, cfg)
+    anchors, valid = anchor_ops.select_anchors(jax.random.key(3), row["loss_mask"], 6, 4)
+    settings = LossSettings.from_loss_fn('{"kl_div":1.0}', num_anchors=6, vocab_chunk_tokens=8)
+    seen = []
+    real = losses.soft_cap
+
+    def spy(x, cap):
+        seen.append(cap)
+        return real(x, cap)
+
+    monkeypatch.setattr(losses, "soft_cap", spy)
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    # tracing is enough to see which cap each computation takes
+    jax.eval_shape(lambda *a: row_loss(*a, settings), model, frozen, row, anchors, valid)
+    assert seen == [0.5]
+    seen.clear()
+    jax.eval_shape(
+        lambda *a: row_statistics(*a, vocab_chunk_tokens=8),
+        model, frozen, row, anchors, valid, jax.random.key(0),
+    )  # fmt: skip
+    assert seen == [0.5, 0.5]  # teacher forced (chunked values) and free running

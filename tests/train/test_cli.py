@@ -386,6 +386,31 @@ def test_aux_layers_vllm_cannot_serve_are_refused_at_train_start(tmp_path):
         draft_init.build_draft(args)
 
 
+def test_verifier_logit_softcapping_reference_by_default_served_on_request(tmp_path, caplog):
+    """docs/math.md §3: speculators' targets are the uncapped verifier logits; `served`
+    takes the cap vLLM applies to a Gemma 2 verifier's logits, recorded in config.json."""
+    from dspark_jax.config import DSparkConfig
+
+    gemma2 = write_verifier(tmp_path / "g", model_type="gemma2", final_logit_softcapping=30.0)
+    base = ["--verifier-name-or-path", str(gemma2), "--data-path", str(tmp_path)]
+    base += ["--mask-token-id", "3", "--target-layer-ids", "1", "2"]
+    with caplog.at_level("INFO"):
+        assert draft_init.build_draft(cli.resolve(base)).cfg.verifier_logit_softcapping is None
+    assert "serves soft-capped logits (final_logit_softcapping 30.0)" in caplog.text
+    served = [*base, "--verifier-logit-softcapping", "served"]
+    cfg = draft_init.build_draft(cli.resolve(served)).cfg
+    assert cfg.verifier_logit_softcapping == 30.0
+    cfg.save_json(tmp_path / "config.json")
+    assert DSparkConfig.load_json(tmp_path).verifier_logit_softcapping == 30.0
+    # vLLM's Qwen3 ignores the field: served is the reference there
+    qwen3 = write_verifier(tmp_path / "q", final_logit_softcapping=30.0)
+    other = [*served[:1], str(qwen3), *served[2:]]
+    assert draft_init.build_draft(cli.resolve(other)).cfg.verifier_logit_softcapping is None
+    bad = write_verifier(tmp_path / "b", model_type="gemma2", final_logit_softcapping=-1.0)
+    with pytest.raises(cli.ConfigError, match=r"final_logit_softcapping must be null or a pos"):
+        draft_init.build_draft(cli.resolve([*base[:1], str(bad), *base[2:]]))
+
+
 def test_the_demo_config_is_the_repositorys():
     """`python -m dspark_jax.train` without arguments reads configs/demo/train.yaml of
     this checkout (the layout move once left it looking under dspark_jax/)."""
