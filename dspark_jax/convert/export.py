@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +37,7 @@ from safetensors.numpy import save_file
 from dspark_jax import file_mode
 from dspark_jax.checkpoint import orbax_io
 from dspark_jax.config import DSparkConfig
+from dspark_jax.convert import vllm_rules
 from dspark_jax.convert.card import (
     CARD_FILE,
     RUN_FILE,
@@ -255,9 +257,12 @@ def export_params(
             raise CheckError(report)
         card = card or CardInputs(name=out_dir.name)
         card = dataclasses.replace(
-            card, dtype=dtype, temperature=confidence_temperature, serve_commands=report.commands
+            card,
+            dtype=dtype,
+            temperature=confidence_temperature,
+            serve_commands=_card_serve_commands(report, out_dir),
         )
-        (tmp / CARD_FILE).write_text(model_card(cfg, card))
+        (tmp / CARD_FILE).write_text(model_card(_card_config(cfg), card))
         if out_dir.exists():
             check_destination(out_dir, overwrite)  # still an export, just before removing it
             shutil.rmtree(out_dir)
@@ -355,7 +360,9 @@ def export_checkpoint(
     check_destination(Path(out_dir), kwargs.get("overwrite", False), protect=(Path(ckpt_dir),))
     loaded = orbax_io.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
     maps = orbax_io.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
-    card = _card_inputs(ckpt_dir, out_dir, loaded.step, loaded.meta)
+    card = _card_inputs(
+        ckpt_dir, out_dir, loaded.step, loaded.meta, kwargs.get("verifier_name_or_path")
+    )
     if eval_dir is not None:
         card = dataclasses.replace(
             card, eval_summary=read_eval_summary(eval_dir, loaded.cfg, loaded.step)
@@ -368,7 +375,37 @@ def export_checkpoint(
     return report, loaded.step
 
 
-def _card_inputs(ckpt_dir, out_dir, step: int, meta: dict) -> CardInputs:
+# The card is published with the folder (a Hub model repository): it names the verifier
+# by its Hub id and the folder by a relative path, never a path of the training machine.
+def _portable(value: Any, run_dir: Path) -> Any:
+    """An absolute path as a path relative to ``run_dir`` (lists element-wise)."""
+    if isinstance(value, list):
+        return [_portable(v, run_dir) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.relpath(value, run_dir)
+    return value
+
+
+def _card_config(cfg):
+    """The config the card shows: a verifier recorded as a local path is named by its
+    folder's name (``--verifier-name`` records the Hub id instead)."""
+    name = cfg.verifier_name_or_path
+    if name and os.path.isabs(name):
+        return cfg.replace(verifier_name_or_path=Path(name).name)
+    return cfg
+
+
+def _card_serve_commands(report, out_dir: Path) -> tuple[str, ...]:
+    """The report's `vllm serve` commands with the folder as a relative path (its name
+    when it was given absolute) and the verifier as config.json names it."""
+    if not report.ok or report.serving is None:
+        return ()
+    folder = Path(out_dir.name) if out_dir.is_absolute() else out_dir
+    served = {**report.serving, "verifier": None}
+    return tuple(vllm_rules.serve_commands(folder, **served))
+
+
+def _card_inputs(ckpt_dir, out_dir, step: int, meta: dict, verifier_name: str | None) -> CardInputs:
     """The training command and sequence length of the run, from its run.yaml (which
     holds the flags given) and the step's meta (the resolved sequence length)."""
     run_yaml = Path(ckpt_dir) / RUN_FILE
@@ -380,6 +417,11 @@ def _card_inputs(ckpt_dir, out_dir, step: int, meta: dict) -> CardInputs:
         values = run_values(run_yaml)
     except ValueError as e:
         raise ExportError(str(e)) from None
+    # Paths relative to the run (the checkpoint directory, where run.yaml lies).
+    run_dir = Path(ckpt_dir).absolute()
+    values = {k: _portable(v, run_dir) for k, v in values.items()}
+    if verifier_name is not None and "verifier_name_or_path" in values:
+        values["verifier_name_or_path"] = verifier_name
     return CardInputs(
         name=Path(out_dir).name,
         step=step,

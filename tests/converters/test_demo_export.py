@@ -7,6 +7,7 @@ confidence head in fp32 with the temperature folded in, and carries its model ca
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -120,6 +121,20 @@ def test_makefile_export_step_serves_in_both_forms(demo_run, capsys):
     assert json.loads((export / "calibration.json").read_text())["temperature"] == 1.7
 
     card = (export / "README.md").read_text()
+    # The card is published: the verifier by its Hub name, the folder relative, the run's
+    # paths relative to it; nothing in the folder names the training machine's paths.
+    card_commands = [
+        f"vllm serve {export.name}",
+        f"vllm serve dspark-jax/demo-verifier --spec-method dspark --spec-model {export.name} "
+        "--spec-tokens 8",
+    ]
+    for path in export.iterdir():
+        if path.suffix in (".md", ".json"):
+            text = path.read_text()
+            for local in (str(ROOT), str(run), str(Path.home())):
+                assert local not in text, (path.name, local)
+    assert "--verifier-name-or-path dspark-jax/demo-verifier" in card
+    assert "--data-path ../data" in card and "--save-path . " in card
     for line in (
         "base_model: dspark-jax/demo-verifier",
         "# demo-verifier-speculator.dspark",
@@ -133,7 +148,7 @@ def test_makefile_export_step_serves_in_both_forms(demo_run, capsys):
         "| Block size | 8 (sample_from_anchor=true: 8 draft tokens per step) |",
         "| Markov head | vanilla, rank 256 |",
         "calibrated (temperature 1.7000 folded in)",
-        *commands,
+        *card_commands,
         "| data | pos0 | pos1 | pos2 | pos3 | pos4 | pos5 | pos6 | pos7 | acceptance length |",
         "| heldout | 60.0% | 40.0% | 25.0% | 15.0% | 10.0% | 5.0% | 5.0% | 5.0% | 2.65 |",
         "ECE 0.1200 uncalibrated, 0.0300 with the folded temperature.",
@@ -141,10 +156,13 @@ def test_makefile_export_step_serves_in_both_forms(demo_run, capsys):
         assert line in card, line
     # The card's training command parses back to the run's flags.
     block = card.split("```bash\n")[1].split("\n```")[0].replace(" \\\n", " ")
-    assert (
-        cli.resolve(shlex.split(block)[3:]).values
-        == cli.resolve(["--config", str(run / "checkpoints" / "run.yaml")]).values
-    )
+    # The card's training command parses back to the run's flags, paths relative to the run.
+    expected = cli.resolve(["--config", str(run / "checkpoints" / "run.yaml")]).values
+    ckpt = run / "checkpoints"
+    expected |= {k: os.path.relpath(expected[k], ckpt) for k in ("data_path", "save_path",
+                                                              "d2t_path", "t2d_path")}  # fmt: skip
+    expected["verifier_name_or_path"] = "dspark-jax/demo-verifier"
+    assert cli.resolve(shlex.split(block)[3:]).values == expected
 
 
 def test_calibration_and_eval_of_another_step_are_refused(demo_run, tmp_path, capsys):
