@@ -55,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--t2d", help="t2d .npy (default: t2d-<Vd>.npy in the checkpoint root)")
     e.add_argument(
         "--target",
-        choices=("vllm", "speculators"),
+        choices=("vllm", "speculators", "sglang-jax"),
         default="vllm",
         help="what the folder must load in (default vllm; speculators allows "
-        "gated/rnn heads and non-causal sliding layers)",
+        "gated/rnn heads and non-causal sliding layers; sglang-jax writes its flat "
+        "qwen3 config.json layout)",
     )
     e.add_argument("--overwrite", action="store_true")
     _add_serving_export_args(e)
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate a folder against vLLM's dspark loader")
     c.add_argument("folder")
-    c.add_argument("--target", choices=("vllm", "speculators"), default="vllm")
+    c.add_argument("--target", choices=("vllm", "speculators", "sglang-jax"), default="vllm")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_serving_check_args(c)
     return p
@@ -165,6 +166,10 @@ def _main(argv: list[str]) -> int:
         if args.command == "export":
             from dspark_jax.convert.export import ExportError, export_checkpoint
 
+            if args.target == "sglang-jax":
+                from dspark_jax.convert.sglang_jax_export import export_sglang_jax
+
+                export_checkpoint = export_sglang_jax  # noqa: F811  (same arguments)
             try:
                 report, step = export_checkpoint(
                     args.checkpoint,

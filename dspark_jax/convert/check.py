@@ -1,6 +1,6 @@
 """Does a folder hold a DSpark drafter that loads as trained? (``python -m converters check``)
 
-Two targets:
+Three targets:
 
 * ``"vllm"`` (default): vLLM 0.33.0 serving it, rule by rule from its released source
   (:mod:`dspark_jax.convert.vllm_rules`: each message names its rule and the vLLM file),
@@ -12,6 +12,10 @@ Two targets:
   DSpark config validates, every tensor ``save_pretrained`` writes; gated/rnn heads and
   non-causal sliding layers are fine there, ``target_hidden_size`` != hidden_size is not
   (its ``fc`` ignores it).
+* ``"sglang-jax"``: sglang-jax's DSpark path (TPU serving), rule by rule from its source
+  (:mod:`dspark_jax.convert.sglang_jax_rules`, each rule citing file and commit): a flat
+  qwen3 config.json (``export --target sglang-jax`` writes it), vanilla Markov head over
+  the full vocabulary, ``sample_from_anchor`` true; the report ends with its launch command.
 
 numpy + safetensors only (no JAX, no torch): the check is cheap to run anywhere.
 """
@@ -37,9 +41,9 @@ from dspark_jax.config import (
     RopeScaling,
     longrope_attention_factor,
 )
-from dspark_jax.convert import vllm_rules
+from dspark_jax.convert import sglang_jax_rules, vllm_rules
 
-TARGETS = ("vllm", "speculators")
+TARGETS = ("vllm", "speculators", "sglang-jax")
 FLOAT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 # Frozen verifier tensors: never part of a drafter folder.
 FROZEN_KEYS = {
@@ -70,15 +74,22 @@ class CheckReport:
         lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  note: {n}" for n in self.notes]
         if self.ok and self.commands:
-            lines.append("serve with vLLM 0.33:")
+            lines.append(
+                "serve with sglang-jax (add --device cpu for the JAX CPU backend):"
+                if self.target == "sglang-jax"
+                else "serve with vLLM 0.33:"
+            )
             lines += [f"  {c}" for c in self.commands]
         return "\n".join(lines)
 
     @property
     def commands(self) -> list[str]:
-        """The `vllm serve` commands that work for this folder (target vllm, when ok)."""
+        """The `vllm serve` commands (target vllm) or the sglang-jax launch command (target
+        sglang-jax) that work for this folder, when ok."""
         if not self.ok or self.serving is None:
             return []
+        if self.target == "sglang-jax":
+            return [sglang_jax_rules.serve_command(self.folder, **self.serving)]
         return vllm_rules.serve_commands(self.folder, **self.serving)
 
     def as_dict(self) -> dict:
@@ -595,6 +606,9 @@ def check_folder(
     if target == "vllm":
         _check_vllm(folder, d, report, verifier, tensor_parallel_size)
         return report
+    if target == "sglang-jax":
+        _check_sglang_jax(folder, d, report, verifier, tensor_parallel_size)
+        return report
     _check_config(d, c, target)
     try:
         report.config = DSparkConfig.from_speculators_dict(d, source=str(cfg_path))
@@ -635,3 +649,21 @@ def _check_vllm(folder, d, report, verifier, tensor_parallel_size) -> None:
         verifier=None if verifier is None else verifier.source,
         tensor_parallel_size=tensor_parallel_size,
     )
+
+
+def _check_sglang_jax(folder, d, report, verifier, tensor_parallel_size) -> None:
+    headers = tensor_headers(folder, _Checker(report), pt_metadata=False)
+    if report.errors:
+        return
+    found = sglang_jax_rules.check(
+        d, headers, verifier=verifier, tensor_parallel_size=tensor_parallel_size
+    )
+    report.errors += found.errors
+    report.warnings += found.warnings
+    report.notes += found.notes
+    if report.ok:
+        report.serving = dict(
+            s=found.served,
+            verifier=None if verifier is None else verifier.source,
+            tensor_parallel_size=tensor_parallel_size,
+        )

@@ -37,7 +37,6 @@ from safetensors.numpy import save_file
 from dspark_jax import file_mode
 from dspark_jax.checkpoint import orbax_io
 from dspark_jax.config import DSparkConfig
-from dspark_jax.convert import vllm_rules
 from dspark_jax.convert.card import (
     CARD_FILE,
     RUN_FILE,
@@ -260,7 +259,7 @@ def export_params(
             card,
             dtype=dtype,
             temperature=confidence_temperature,
-            serve_commands=_card_serve_commands(report, out_dir),
+            serve_commands=card_serve_commands(report, out_dir),
         )
         (tmp / CARD_FILE).write_text(model_card(_card_config(cfg), card))
         if out_dir.exists():
@@ -395,14 +394,20 @@ def _card_config(cfg):
     return cfg
 
 
-def _card_serve_commands(report, out_dir: Path) -> tuple[str, ...]:
-    """The report's `vllm serve` commands with the folder as a relative path (its name
-    when it was given absolute) and the verifier as config.json names it."""
+def card_serve_commands(report: CheckReport, out_dir: Path) -> tuple[str, ...]:
+    """The report's serve commands as the card shows them: the folder as a relative path
+    (its name when given absolute), the verifier as config.json names it (a local
+    verifier path by its folder's name)."""
     if not report.ok or report.serving is None:
         return ()
-    folder = Path(out_dir.name) if out_dir.is_absolute() else out_dir
-    served = {**report.serving, "verifier": None}
-    return tuple(vllm_rules.serve_commands(folder, **served))
+    folder = Path(out_dir.name) if Path(out_dir).is_absolute() else Path(out_dir)
+    name = report.config.verifier_name_or_path if report.config is not None else None
+    if name and os.path.isabs(name):
+        name = Path(name).name
+    portable = dataclasses.replace(
+        report, folder=folder, serving={**report.serving, "verifier": name}
+    )
+    return tuple(portable.commands)
 
 
 def _card_inputs(ckpt_dir, out_dir, step: int, meta: dict, verifier_name: str | None) -> CardInputs:

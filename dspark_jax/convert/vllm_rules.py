@@ -51,6 +51,20 @@ RULES: dict[str, str] = {
     "tensor-parallel": "vllm/model_executor/models/qwen3_dflash.py",
     "weights": "vllm/model_executor/models/utils.py",
     "weight-shapes": "vllm/model_executor/model_loader/weight_utils.py",
+    "explicit-defaults": "vllm/transformers_utils/configs/speculators/algos.py",
+    "architecture": "vllm/transformers_utils/configs/speculators/algos.py",
+    "vocab-roundtrip": "vllm/model_executor/models/qwen3_dspark.py",
+}
+# update_dspark keeps only these from the top-level 'architectures' (else Qwen3DSparkModel);
+# both resolve to qwen3_dspark.Qwen3DSparkForCausalLM in vLLM's model registry.
+SERVED_ARCHITECTURES = ("Qwen3DSparkModel", "Qwen3OmniDSparkModel")
+# Fields update_dspark / Qwen3DSpark read with a default when absent: (default, effect).
+DEFAULTED = {
+    "markov_head_type": "'vanilla'",
+    "block_size": "none (the --spec-model form then drafts --spec-tokens, else fails)",
+    "draft_vocab_size": "transformer_layer_config.vocab_size",
+    "enable_confidence_head": "false (the head is dropped)",
+    "confidence_head_with_markov": "false",
 }
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 INT_DTYPES = ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64")
@@ -386,6 +400,31 @@ def _layer_config(tl: dict, f: Findings) -> dict[str, Any] | None:
 
 def _dspark_fields(d: dict, geo: dict, sc: dict | None, f: Findings) -> Served | None:
     """update_dspark's fields, with vLLM's defaults for the missing optional ones."""
+    missing = [k for k in DEFAULTED if d.get(k) is None]
+    if missing:
+        f.warn(
+            "explicit-defaults",
+            "config.json: "
+            + ", ".join(f"{k!r} (vLLM uses {DEFAULTED[k]})" for k in missing)
+            + " not written: served with vLLM's default, which need not be what was trained "
+            "(export writes every one)",
+        )
+    arch = d.get("architectures")
+    arch = arch if isinstance(arch, list) else []
+    chosen = [a for a in arch if a in SERVED_ARCHITECTURES] or ["Qwen3DSparkModel"]
+    dropped = [a for a in arch if a not in SERVED_ARCHITECTURES]
+    f.note(
+        "architecture",
+        f"vLLM 0.33 serves it as {chosen[0]} (qwen3_dspark.Qwen3DSparkForCausalLM, Qwen3 "
+        "decoder layers)"
+        + (
+            f"; 'architectures' {dropped} dropped (update_dspark keeps only "
+            f"{list(SERVED_ARCHITECTURES)}; vLLM's registry maps 'DSparkDraftModel' to the "
+            "DeepSeek-V4 DSpark)"
+            if dropped
+            else ""
+        ),
+    )
     aux = d.get("aux_hidden_state_layer_ids")
     if aux is None:
         f.err(
@@ -685,8 +724,49 @@ def _tensors(
                     "verifier-vocab",
                     f"tensor 'd2t': draft_id + d2t must be verifier ids in [0, {target_vocab})",
                 )
+            else:
+                _vocab_roundtrip(ids, headers, target_vocab, f)
         elif not np.isfinite(value.astype(np.float32)).all():
             f.errors.append(f"tensor {key!r} has non-finite values (NaN/inf)")
+
+
+def _vocab_roundtrip(ids: np.ndarray, headers, target_vocab: int, f: Findings) -> None:
+    """vLLM maps draft id i to ``i + d2t[i]`` (map_draft_to_target) and skips t2d; the
+    trainer maps verifier token t to draft id ``cumsum(t2d)[t] - 1``. Both must be the
+    same bijection, or the served drafter proposes other tokens than it scored."""
+    if np.any(np.diff(ids) <= 0):
+        f.err(
+            "vocab-roundtrip",
+            "tensor 'd2t': draft_id + d2t must be strictly increasing (vLLM maps two draft "
+            "ids to one verifier token, or in another order than the trainer's t2d)",
+        )
+        return
+    if "t2d" not in headers:
+        return
+    with safe_open(headers["t2d"][2], "np") as fh:
+        t2d = fh.get_tensor("t2d").astype(bool)
+    if t2d.shape != (target_vocab,):
+        f.err(
+            "vocab-roundtrip",
+            f"tensor 't2d' has shape {list(t2d.shape)}, expected [{target_vocab}] (the "
+            "verifier vocabulary)",
+        )
+        return
+    back = np.cumsum(t2d) - 1  # the trainer's verifier token -> draft id
+    bad = np.flatnonzero(~t2d[ids] | (back[ids] != np.arange(len(ids))))
+    if bad.size:
+        i = int(bad[0])
+        f.err(
+            "vocab-roundtrip",
+            f"tensors 'd2t' and 't2d' disagree: vLLM sends draft id {i} to verifier token "
+            f"{int(ids[i])}, which t2d does not map back to draft id {i}",
+        )
+    elif int(t2d.sum()) != len(ids):
+        f.err(
+            "vocab-roundtrip",
+            f"tensor 't2d' marks {int(t2d.sum())} verifier tokens, d2t has {len(ids)} draft "
+            "ids: the extra tokens were trained as draft ids vLLM never proposes",
+        )
 
 
 # ---------------------------------------------------------------- entry points

@@ -108,6 +108,12 @@ def _copy(folders, tmp_path, base, cfg_edit=None, tensor_edit=None):
     return folder
 
 
+def _move_t2d(t):
+    """One verifier token of the draft vocabulary swapped for one outside it."""
+    on, off = np.flatnonzero(t["t2d"]), np.flatnonzero(~t["t2d"])
+    t["t2d"][on[1]], t["t2d"][off[-1]] = False, True
+
+
 # name: (base folder, config edit, tensor edit, check kwargs, rule, message regex)
 BREAKS = {
     "model_type-present": (
@@ -212,6 +218,15 @@ BREAKS = {
         "full", None, None, {"verifier": Verifier(48, 32, 4, "small")}, "verifier-vocab",
         r"missing tensor 'embed_tokens\.weight'",
     ),
+    "d2t-two-draft-ids-one-token": (
+        "reduced", None, lambda t: t["d2t"].__setitem__(1, t["d2t"][0] - 1), {}, "vocab-roundtrip",
+        r"draft_id \+ d2t must be strictly increasing",
+    ),
+    "t2d-moved-entry": (
+        "reduced", None, _move_t2d, {}, "vocab-roundtrip",
+        r"'d2t' and 't2d' disagree: vLLM sends draft id \d+ to verifier token \d+, which t2d "
+        r"does not map back",
+    ),
     "d2t-without-reduced-vocab": (
         "full", None, lambda t: t.update(d2t=np.zeros(64, np.int64)), {}, "verifier-vocab",
         r"unexpected tensor 'd2t'.*no draft_id_to_target_id to load it into",
@@ -261,7 +276,15 @@ def test_each_rule_has_a_folder_that_breaks_it(folders, tmp_path, name):
 
 def test_every_error_rule_is_exercised():
     # notes/warnings-only rules have tests of their own below
-    soft = {"verifier-name", "serve-form", "confidence-head", "confidence-fp32", "calibration"}
+    soft = {
+        "verifier-name",
+        "serve-form",
+        "confidence-head",
+        "confidence-fp32",
+        "calibration",
+        "explicit-defaults",
+        "architecture",
+    }
     assert set(RULES) - soft == {rule for *_, rule, _ in BREAKS.values()}
 
 
@@ -566,3 +589,27 @@ def test_rope_types_that_serve_differently_warn(folders, tmp_path):
         report = check_folder(folder)
         assert report.ok, report.format()
         assert any(re.search(pattern, w) for w in report.warnings), report.format()
+
+
+def test_fields_read_with_a_default_are_written_explicitly(folders, tmp_path):
+    rule = f"[explicit-defaults: {RULES['explicit-defaults']}]"
+    assert not any(rule in w for w in check_folder(folders / "full").warnings)
+    for name in ("markov_head_type", "block_size", "draft_vocab_size", "enable_confidence_head"):
+        folder = _copy(folders, tmp_path / name, "full", _del(name))
+        report = check_folder(folder)
+        hits = [w for w in report.warnings if w.endswith(rule)]
+        assert len(hits) == 1 and f"{name!r} (vLLM uses " in hits[0], report.format()
+
+
+def test_architecture_vllm_resolves(folders, tmp_path):
+    rule = f"[architecture: {RULES['architecture']}]"
+    # speculators writes DSparkDraftModel, which update_dspark drops: served as Qwen3DSparkModel.
+    notes = [n for n in check_folder(folders / "full").notes if n.endswith(rule)]
+    assert len(notes) == 1 and notes[0].startswith("vLLM 0.33 serves it as Qwen3DSparkModel")
+    assert "['DSparkDraftModel'] dropped" in notes[0]
+    folder = _copy(folders, tmp_path, "full", _set(architectures=["Qwen3OmniDSparkModel"]))
+    notes = [n for n in check_folder(folder).notes if n.endswith(rule)]
+    assert (
+        notes[0].startswith("vLLM 0.33 serves it as Qwen3OmniDSparkModel")
+        and "dropped" not in notes[0]
+    )
