@@ -6,7 +6,8 @@ rules that keep a broken install from passing with fewer tests.
 * Under ``CI=true`` (.ci/run exports it) such a skip fails the run instead, and so
   does a skipped ``mooncake`` test (a real Mooncake store) where libibverbs.so.1 is
   installed or the Mooncake wheel itself is missing, a skipped ``tpu`` test (it
-  compiles for a TPU topology: libtpu, the ``tpu`` extra), a skipped ``vllm`` test
+  compiles for a TPU topology: libtpu, the ``tpu`` extra), a skipped ``cuda_compile``
+  test (compiles for GPUs: the ``cuda-compile`` extra), a skipped ``vllm`` test
   (vLLM 0.33.0 itself, in the separate environment named by ``DSPARK_VLLM_PYTHON``),
   and a test module skipped whole: CI installs every extra, so a skip there means a
   broken install.
@@ -96,6 +97,8 @@ def _item_skip_is_failure(item: pytest.Item, reason: str) -> str | None:
         return "this test needs speculators/hs_connectors: mark it @pytest.mark.reference"
     if CI and item.get_closest_marker("tpu"):
         return "a test marked 'tpu' was skipped under CI=true (libtpu, the tpu extra, missing?)"
+    if CI and item.get_closest_marker("cuda_compile"):
+        return "a test marked 'cuda_compile' was skipped under CI=true (the cuda-compile extra missing?)"
     if CI and item.get_closest_marker("vllm"):
         return (
             "a test marked 'vllm' was skipped under CI=true (.ci/run installs vLLM 0.33.0 "
