@@ -102,7 +102,7 @@ def _item_skip_is_failure(item: pytest.Item, reason: str) -> str | None:
     if CI and item.get_closest_marker("vllm"):
         return (
             "a test marked 'vllm' was skipped under CI=true (.ci/run installs vLLM 0.33.0 "
-            "into .venv-vllm and sets DSPARK_VLLM_PYTHON)"
+            "in its own venv and sets DSPARK_VLLM_PYTHON)"
         )
     if CI and item.get_closest_marker("mooncake"):
         # the wheel (dev extra) always installs; only its system library may be missing
