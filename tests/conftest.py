@@ -5,9 +5,12 @@ rules that keep a broken install from passing with fewer tests.
   ``reference`` extra) is skipped, not errored, where those are not installed.
 * Under ``CI=true`` (.ci/run exports it) such a skip fails the run instead, and so
   does a skipped ``mooncake`` test (a real Mooncake store) where libibverbs.so.1 is
-  installed, a skipped ``tpu`` test (it compiles for a TPU topology: libtpu, the
-  ``tpu`` extra), and a test module skipped whole: CI installs every extra, so a skip
-  there means a broken install.
+  installed or the Mooncake wheel itself is missing, a skipped ``tpu`` test (it
+  compiles for a TPU topology: libtpu, the ``tpu`` extra), a skipped ``cuda_compile``
+  test (compiles for GPUs: the ``cuda-compile`` extra), a skipped ``vllm`` test
+  (vLLM 0.33.0 itself, in the separate environment named by ``DSPARK_VLLM_PYTHON``),
+  and a test module skipped whole: CI installs every extra, so a skip there means a
+  broken install.
 * A skip for want of speculators / hs_connectors in a test *not* marked
   ``reference`` fails under CI=true and in the blocked run (tests/block_reference/),
   as does a module that skips for them without being marked ``reference`` whole:
@@ -94,8 +97,23 @@ def _item_skip_is_failure(item: pytest.Item, reason: str) -> str | None:
         return "this test needs speculators/hs_connectors: mark it @pytest.mark.reference"
     if CI and item.get_closest_marker("tpu"):
         return "a test marked 'tpu' was skipped under CI=true (libtpu, the tpu extra, missing?)"
-    if CI and item.get_closest_marker("mooncake") and _has_libibverbs():
-        return "a real-Mooncake test was skipped under CI=true though libibverbs.so.1 is installed"
+    if CI and item.get_closest_marker("cuda_compile"):
+        return "a test marked 'cuda_compile' was skipped under CI=true (the cuda-compile extra missing?)"
+    if CI and item.get_closest_marker("vllm"):
+        return (
+            "a test marked 'vllm' was skipped under CI=true (.ci/run installs vLLM 0.33.0 "
+            "in its own venv and sets DSPARK_VLLM_PYTHON)"
+        )
+    if CI and item.get_closest_marker("mooncake"):
+        # the wheel (dev extra) always installs; only its system library may be missing
+        if "No module named 'mooncake" in reason:
+            return (
+                "a real-Mooncake test was skipped under CI=true: the dev extra's wheel is missing"
+            )
+        if _has_libibverbs():
+            return (
+                "a real-Mooncake test was skipped under CI=true though libibverbs.so.1 is installed"
+            )
     return None
 
 

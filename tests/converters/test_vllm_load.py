@@ -1,7 +1,8 @@
 """Our exports through vLLM 0.33.0's own loader: ``Qwen3DSparkForCausalLM.load_weights``
 on CPU, in a separate vLLM environment (vLLM pulls a CUDA torch 2.14; it is not a
-dependency here and not in CI). Set ``DSPARK_VLLM_PYTHON`` to that environment's python
-(``pip install vllm==0.33.0`` in a fresh venv) to run it; ``check`` and vLLM must agree
+dependency here; .ci/run builds it). Set ``DSPARK_VLLM_PYTHON`` to that
+environment's python (``pip install vllm==0.33.0`` in a fresh venv) to run it (under
+CI=true a skip fails); ``check`` and vLLM must agree
 on every folder: good ones load with every tensor where vLLM reads it, broken ones
 fail in both."""
 
