@@ -1,8 +1,9 @@
 """Mesh, logical-axis rules and multi-host start-up: the only module that knows the mesh.
 
 Modules annotate parameters with logical axis names (``embed``, ``heads``, ...);
-``LOGICAL_RULES`` maps them to the mesh axes ``data``, ``fsdp``, ``tensor``. Rows of
-a batch split over ``(data, fsdp)``; weights shard over ``fsdp`` (ZeRO-3 style) and
+``LOGICAL_RULES`` maps them to the mesh axes ``data``, ``fsdp``, ``context``, ``tensor``.
+Rows of a batch split over ``(data, fsdp)``, the tokens of a row over ``context``
+(docs/design.md, "Context parallelism"); weights shard over ``fsdp`` (ZeRO-3 style) and
 ``tensor`` (heads, MLP width, vocabulary). One device, 8 simulated CPU devices and
 a TPU pod run the same code.
 """
@@ -14,6 +15,7 @@ import os
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -21,8 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
+CONTEXT_AXIS = "context"  # splits the tokens of a row
 
 # One rule per logical name (NNX semantics: a dict). None = replicated.
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -34,14 +37,15 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "aux_embed": None,  # fc's input (n_aux * Ht); its output dim is already on fsdp
     "markov": None,  # the Markov rank is small
     "norm": None,
+    "sequence": CONTEXT_AXIS,  # the tokens of a row (every per-token tensor)
 }
 
 
 def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
-    """``"data=2,fsdp=2,tensor=2"`` -> sizes of the three axes; one size may be -1 (the
-    rest of the devices). Default: all devices on fsdp."""
+    """``"data=2,fsdp=2,context=1,tensor=2"`` -> sizes of the four axes (missing ones 1);
+    one size may be -1 (the rest of the devices). Default: all devices on fsdp."""
     if spec is None or spec == "":
-        return {"data": 1, "fsdp": num_devices, "tensor": 1}
+        return {"data": 1, "fsdp": num_devices, "context": 1, "tensor": 1}
     if isinstance(spec, str):
         sizes: dict[str, int] = {}
         for part in spec.split(","):
@@ -78,7 +82,8 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> jax.sharding.Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh, Auto axis types (docs/design.md, "Mesh axis types")."""
+    """A ('data', 'fsdp', 'context', 'tensor') mesh, Auto axis types (docs/design.md,
+    "Mesh axis types")."""
     devices = jax.devices() if devices is None else devices
     sizes = parse_mesh(spec, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
@@ -151,24 +156,47 @@ def frozen_shardings(frozen, mesh: jax.sharding.Mesh):
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
-    """Rows over (data, fsdp), everything else replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+    """Rows [R, S, ...] over (data, fsdp), their tokens S over context, the rest replicated."""
+    seq = (CONTEXT_AXIS,) if ndim >= 2 else ()
+    return NamedSharding(mesh, P(BATCH_AXES, *seq, *([None] * (ndim - 1 - len(seq)))))
 
 
-def rows_per_step(mesh: jax.sharding.Mesh, rows_per_replica: int = 1) -> int:
-    """Global rows per step: one packed row per data-parallel replica, like the reference."""
-    return rows_per_replica * mesh.shape["data"] * mesh.shape["fsdp"]
+def context_size() -> int:
+    """Devices the tokens of a row are split over: the ``context`` axis of the mesh set
+    with ``jax.set_mesh`` (1 without one). Read at trace time by the model."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[CONTEXT_AXIS])
 
 
-def global_batch(local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    """This process's rows -> global arrays sharded over (data, fsdp) (multi-host safe)."""
-    out = {}
-    n = jax.process_count()
-    for k, v in local.items():
-        sharding = batch_sharding(mesh, v.ndim)
-        global_shape = (v.shape[0] * n, *v.shape[1:])
-        out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
-    return out
+def sequence_take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """``x[idx]`` for a per-token array x [S, ...] whose S may be split over ``context``.
+
+    idx [N] int (0 <= idx < S). Split, each device takes the rows it holds (zeros for
+    the others) and a psum adds them: exact (one nonzero term per row), and it moves
+    N rows, not the whole sequence. No gradient flows to x (the callers gather token
+    ids, masks and the frozen verifier states).
+    """
+    x = jax.lax.stop_gradient(x)
+    if context_size() == 1:
+        return x[idx]
+    return jax.shard_map(
+        shard_take, in_specs=(P(CONTEXT_AXIS), P()), out_specs=P(), axis_names={CONTEXT_AXIS}
+    )(x, idx)
+
+
+def shard_take(xs: jax.Array, idx: jax.Array) -> jax.Array:
+    """Inside a shard_map over ``context``: rows idx [N] (row positions) of the
+    sequence whose equal shards xs [S / C, ...] the devices hold -> [N, ...] on every
+    device. Each device contributes its own rows, zeros elsewhere; psum adds them."""
+    n = xs.shape[0]
+    i = idx - jax.lax.axis_index(CONTEXT_AXIS) * n
+    mine = ((i >= 0) & (i < n)).reshape(-1, *([1] * (xs.ndim - 1)))
+    rows = jnp.where(mine, xs[jnp.clip(i, 0, n - 1)], jnp.zeros((), xs.dtype))
+    if rows.dtype == jnp.bool_:
+        return jax.lax.psum(rows.astype(jnp.int32), CONTEXT_AXIS).astype(jnp.bool_)
+    return jax.lax.psum(rows, CONTEXT_AXIS)
 
 
 def slurm_local_device_ids(env) -> list[int] | None:
