@@ -199,6 +199,22 @@ def shard_take(xs: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.lax.psum(rows, CONTEXT_AXIS)
 
 
+def rows_per_step(mesh: jax.sharding.Mesh, rows_per_replica: int = 1) -> int:
+    """Global rows per step: one packed row per data-parallel replica, like the reference."""
+    return rows_per_replica * mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def global_batch(local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays sharded over (data, fsdp) (multi-host safe)."""
+    out = {}
+    n = jax.process_count()
+    for k, v in local.items():
+        sharding = batch_sharding(mesh, v.ndim)
+        global_shape = (v.shape[0] * n, *v.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
+    return out
+
+
 def slurm_local_device_ids(env) -> list[int] | None:
     """All of the node's GPUs for a one-task-per-node Slurm step, else None.
 

@@ -4,16 +4,21 @@ devices: a row's tokens split over 2 or 4 devices give the numbers of one device
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dspark_jax import parallel
+from dspark_jax.anchors import sample_anchors, select_anchors
 from dspark_jax.model import attention as att
+from dspark_jax.model.draft import DSparkDraftModel, LossSettings, batch_loss, row_loss
 from tests.model.test_attention import _assert_bounded, _bounds, _tensors, _vg
-from tests.numerics import U
+from tests.model.test_draft import random_batch, random_frozen, tiny_config
+from tests.numerics import DRAFTER_DEPTH, U, assert_within, model_roundoff
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -107,3 +112,103 @@ def _dense_vg(W, causal, xs, anc, doc, cot):
         )
 
     return jax.tree.map(np.asarray, jax.jit(functools.partial(_vg, f))(xs, anc, doc, cot))
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter: loss, metrics and gradients of a batch with its rows' tokens split.
+
+SEQ, ROWS = 64, 4
+DRAFT_MESHES = ("data=2,fsdp=2,context=2", "fsdp=2,context=4")
+
+
+@functools.cache
+def _drafter():
+    """Tiny drafter (a sliding layer whose window 24 is more than a 16-token shard, a full
+    layer), a batch whose 2 documents cross shard boundaries, the jitted loss-and-grad of
+    the batch and the per-row gradients (for the bounds)."""
+    cfg = tiny_config(sliding_window=24)
+    rng = np.random.default_rng(1)
+    batch = random_batch(rng, cfg, rows=ROWS, seq=SEQ)  # documents [0, 32), [32, 53)
+    frozen = random_frozen(rng, cfg)
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    graphdef, params = nnx.split(model, nnx.Param)
+    settings = LossSettings.from_loss_fn('{"ce":0.1,"tv":0.9}', num_anchors=8, vocab_chunk_tokens=8)
+
+    def loss(p, fr, b, key):
+        return batch_loss(nnx.merge(graphdef, p), fr, b, key, settings)
+
+    def row_grad(p, row, k):
+        anchors, valid = select_anchors(k, row["loss_mask"], settings.num_anchors, cfg.block_size)
+        return jax.grad(lambda p: row_loss(nnx.merge(graphdef, p), frozen, row, anchors, valid,
+                                           settings)[0])(p)  # fmt: skip
+
+    return SimpleNamespace(
+        cfg=cfg, batch=batch, frozen=frozen, params=params, settings=settings, loss=loss,
+        step=jax.jit(jax.value_and_grad(loss, has_aux=True)),
+        per_row=jax.jit(jax.vmap(row_grad, in_axes=(None, 0, 0))),
+    )  # fmt: skip
+
+
+def _on_mesh(spec, params, frozen, batch):
+    """The arguments placed as the trainer places them: rows over (data, fsdp), tokens over
+    context, parameters by the logical rules."""
+    mesh = _mesh(spec)
+    params = jax.device_put(params, parallel.state_shardings(params, mesh))
+    frozen = jax.device_put(frozen, parallel.frozen_shardings(frozen, mesh))
+    batch = parallel.global_batch({k: np.asarray(v) for k, v in batch.items()}, mesh)
+    assert batch["hidden_states"].sharding.spec[1] == "context"
+    return params, frozen, batch
+
+
+def test_anchor_draw_does_not_depend_on_the_split():
+    d = _drafter()
+
+    def draw(mask, doc, key):
+        keys = jax.random.split(key, ROWS)
+        return jax.vmap(lambda m, i, k: sample_anchors(k, m, i, 8, d.cfg.block_size))(
+            mask, doc, keys
+        )
+
+    key = jax.random.key(11)
+    want = jax.jit(draw)(d.batch["loss_mask"], d.batch["document_ids"], key)
+    for spec in DRAFT_MESHES:
+        b = _on_mesh(spec, d.params, d.frozen, d.batch)[2]
+        got = _run(jax.jit(draw), spec, b["loss_mask"], b["document_ids"], key)
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(x, y)  # the same anchors, bit for bit
+
+
+@pytest.mark.parametrize("spec", DRAFT_MESHES)
+def test_drafter_loss_metrics_and_grads_split_over_context(spec):
+    d = _drafter()
+    key = jax.random.key(5)
+    (l1, m1), g1 = _run(d.step, None, d.params, d.frozen, d.batch, key)
+    (lc, mc), gc = _run(d.step, spec, *_on_mesh(spec, d.params, d.frozen, d.batch), key)
+
+    # The split evaluates the same fp32 sums in other orders. Longest accumulation chain:
+    # tests.numerics.DRAFTER_DEPTH (<= 64 visible keys, 2 layers) plus, per layer, the
+    # context merge: a C-term psum and two rescales (C <= 4), i.e. 2 x 6 roundings.
+    depth = DRAFTER_DEPTH + 2 * 6
+    floats = {k: v for k, v in d.batch.items() if v.dtype == jnp.float32}
+    sens = jax.jit(jax.grad(lambda p, fr, fl: d.loss(p, fr, dict(d.batch, **fl), key)[0],
+                            argnums=(0, 1, 2)))(d.params, d.frozen, floats)  # fmt: skip
+    assert_within(lc, l1, model_roundoff(sens, (d.params, d.frozen, floats), depth), "loss")
+    # Metrics: the counts are integer-valued fp32 sums (exact); accept_len as in
+    # tests/parallel/test_sharding.py: per block (1 + 2 + 3 + 4) x 2 depth u.
+    assert set(mc) == set(m1)
+    for name in set(m1) - {"accept_len_sum"}:
+        assert_within(mc[name], m1[name], 2 * depth * U * abs(float(m1[name])), name)
+    blocks = ROWS * d.settings.num_anchors
+    assert_within(mc["accept_len_sum"], m1["accept_len_sum"], blocks * 10 * 2 * depth * U,
+                  "accept_len_sum")  # fmt: skip
+    # Gradients, per leaf in the Frobenius norm as in test_sharding: each row's gradient
+    # within depth u |g_r| per side, the cross-row and cross-device sums (<= 4 rows + 8
+    # devices) within 12 u sum_r |g_r|.
+    per_row = _run(d.per_row, None, d.params, d.batch, jax.random.split(key, ROWS))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(g1)]
+    leaves = (jax.tree.leaves(t) for t in (gc, g1, per_row))
+    for path, a, b, rows in zip(paths, *leaves, strict=True):
+        diff = np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        mean_abs = np.abs(np.asarray(rows, np.float64)).mean(0)
+        bound = 2 * (depth + 12) * U * np.linalg.norm(mean_abs)
+        assert diff <= bound, (path, diff, bound)
