@@ -170,6 +170,34 @@ def context_size() -> int:
     return int(mesh.shape[CONTEXT_AXIS])
 
 
+def tracing_mesh(mesh: jax.sharding.Mesh):
+    """Context manager: the mesh the model sees while a step is traced (context_size,
+    the shard_maps). The step's arguments must already live on ``mesh``."""
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def check_context_split(mesh: jax.sharding.Mesh, seq_len: int) -> None:
+    """Raise ValueError unless rows of seq_len tokens split evenly over the context axis,
+    and each context group's devices belong to one process (the data pipeline hands
+    each process whole rows)."""
+    c = mesh.shape[CONTEXT_AXIS]
+    if seq_len % c:
+        raise ValueError(f"--total-seq-len {seq_len} must be a multiple of the mesh's context={c}")
+    axis = mesh.axis_names.index(CONTEXT_AXIS)
+    groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, c)
+    if any(len({d.process_index for d in g}) > 1 for g in groups):
+        raise ValueError(
+            f"--mesh context={c} spans processes; the data pipeline gives each process "
+            "whole rows, so a row's tokens must stay on one process's devices"
+        )
+
+
+def row_vmap_axes() -> tuple[str, ...] | None:
+    """``spmd_axis_name`` of the vmap over a batch's rows: the batch axes when the row's
+    tokens are split over context (see context_shard_map), else None."""
+    return BATCH_AXES if context_size() > 1 else None
+
+
 def sequence_take(x: jax.Array, idx: jax.Array) -> jax.Array:
     """``x[idx]`` for a per-token array x [S, ...] whose S may be split over ``context``.
 
@@ -181,9 +209,25 @@ def sequence_take(x: jax.Array, idx: jax.Array) -> jax.Array:
     x = jax.lax.stop_gradient(x)
     if context_size() == 1:
         return x[idx]
+    return context_shard_map(shard_take, (P(CONTEXT_AXIS), P()), P())(x, idx)
+
+
+def context_shard_map(f, in_specs, out_specs):
+    """``jax.shard_map`` of a per-device function of a row split over ``context``.
+
+    Manual over the batch axes too: under the rows' vmap (``spmd_axis_name=
+    row_vmap_axes()``) each device then takes its own rows, and the function's loops
+    (data-dependent trip counts) stay per device; a batch axis left automatic would put
+    the partitioner's collectives inside them, where devices disagree on the trip count.
+    ``tensor`` stays automatic.
+    """
     return jax.shard_map(
-        shard_take, in_specs=(P(CONTEXT_AXIS), P()), out_specs=P(), axis_names={CONTEXT_AXIS}
-    )(x, idx)
+        f,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={*BATCH_AXES, CONTEXT_AXIS},
+        check_vma=False,  # loop carries mix replicated and per-shard values
+    )
 
 
 def shard_take(xs: jax.Array, idx: jax.Array) -> jax.Array:

@@ -14,6 +14,10 @@ reverse-differentiated, the function is a ``jax.custom_vjp``: forward keeps the 
 per-query log-sum-exp; backward recomputes the probabilities tile by tile with the same loops.
 Nothing proportional to Q x S is stored.
 
+Under a mesh whose ``context`` axis splits the row's tokens (``parallel.context_size() > 1``),
+the context keys/values stay split and the partial softmaxes of every query merge across the
+devices (docs/design.md, "Context parallelism"; ``_cp_attention`` below).
+
 One row at a time: map rows with ``jax.vmap`` or ``lax.map``. Both are exact. Under vmap the
 per-row chunk loops become one batched ``while_loop`` that runs for the longest row's trip count,
 with finished rows masked out by select; ``lax.map`` keeps the per-row trip counts.
@@ -415,17 +419,6 @@ def _shard_view(k_loc, v_loc, doc_loc, ancg, cfg):
     return _pad_context(k_loc, v_loc, doc_loc, cfg), offset, anc_doc, ranges
 
 
-def _split_context(f, in_specs, out_specs):
-    """shard_map over the context axis only (the others stay automatic)."""
-    return jax.shard_map(
-        f,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        axis_names={parallel.CONTEXT_AXIS},
-        check_vma=False,  # loop carries mix replicated and per-shard values
-    )
-
-
 _SEQ = P(parallel.CONTEXT_AXIS)
 
 
@@ -449,9 +442,9 @@ def _cp_forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, document_ids, cfg):
         w = jnp.exp(m - m_all)
         return m_all, lax.psum(l * w, axis), lax.psum(acc * w[..., None], axis)
 
-    m_c, l_c, acc_c = _split_context(shard, (P(), _SEQ, _SEQ, _SEQ, P()), (P(), P(), P()))(
-        qg, k_ctx, v_ctx, document_ids, ancg
-    )
+    m_c, l_c, acc_c = parallel.context_shard_map(
+        shard, (P(), _SEQ, _SEQ, _SEQ, P()), (P(), P(), P())
+    )(qg, k_ctx, v_ctx, document_ids, ancg)
     m_b, l_b, acc_b = lax.map(lambda xs: _block_softmax(*xs, cfg), (qg, kbg, vbg))
     m = jnp.maximum(m_b, m_c)
     w_b, w_c = jnp.exp(m_b - m), jnp.exp(m_c - m)
@@ -490,7 +483,7 @@ def _cp_attention_bwd(cfg, res, dout):
         return lax.psum(dq, parallel.CONTEXT_AXIS), dk[:L], dv[:L]
 
     specs = (P(), P(), P(), P(), _SEQ, _SEQ, _SEQ, P())
-    dq_c, dk_ctx, dv_ctx = _split_context(shard, specs, (P(), _SEQ, _SEQ))(
+    dq_c, dk_ctx, dv_ctx = parallel.context_shard_map(shard, specs, (P(), _SEQ, _SEQ))(
         qg, dog, lse, delta, k_ctx, v_ctx, document_ids, ancg
     )
     dq_b, dkb, dvb = lax.map(lambda xs: _block_grads(*xs, cfg), (qg, kbg, vbg, dog, lse, delta))

@@ -172,7 +172,9 @@ class DSparkDraftModel(nnx.Module):
         x = frozen.embed_tokens[block_tokens].astype(jnp.float32)  # [Q, H] residual stream
 
         ctx = self.hidden_norm(self.fc(row["hidden_states"]))  # [S, H]
-        block_pos = anchor_ops.block_indices(parallel.sequence_take(positions, anchors), b)  # anchor position + k
+        block_pos = anchor_ops.block_indices(
+            parallel.sequence_take(positions, anchors), b
+        )  # anchor position + k
         tables = rope_tables(cfg) if rope is None else rope
         # Length-dependent rope types (dynamic, longrope) see the row's largest position,
         # context and blocks together, like the reference's one rotary call per row.
@@ -330,6 +332,10 @@ def batch_loss(
         )  # fmt: skip
         return row_loss(model, frozen, row, anchors, valid, settings)
 
-    row_losses, metrics = jax.vmap(one)({k: batch[k] for k in ROW_KEYS}, keys)
+    # Split over context, the rows' axes are named: the shard_maps inside then take each
+    # device's own rows (parallel.context_shard_map).
+    row_losses, metrics = jax.vmap(one, spmd_axis_name=parallel.row_vmap_axes())(
+        {k: batch[k] for k in ROW_KEYS}, keys
+    )
     # The reference averages per-row losses across data-parallel ranks (DDP mean).
     return row_losses.mean(), jax.tree.map(lambda m: m.sum(0), metrics)

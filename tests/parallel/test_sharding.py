@@ -59,7 +59,7 @@ def test_sharded_loss_and_grads_equal_single_device():
     params8 = jax.device_put(params, p_sh)
     frozen8 = jax.device_put(frozen, parallel.frozen_shardings(frozen, mesh))
     batch8 = parallel.global_batch({k: np.asarray(v) for k, v in batch.items()}, mesh)
-    assert batch8["input_ids"].sharding.spec == P(("data", "fsdp"), None)
+    assert batch8["input_ids"].sharding.spec == P(("data", "fsdp"), "context")  # context=1
     (l8, m8), g8 = jax.jit(loss_and_grads, out_shardings=(None, p_sh))(
         params8, frozen8, batch8, key
     )
