@@ -198,6 +198,15 @@ def row_vmap_axes() -> tuple[str, ...] | None:
     return BATCH_AXES if context_size() > 1 else None
 
 
+def constrain_tokens(x: jax.Array) -> jax.Array:
+    """Keep a per-token array x [S, ...] split over context (its other dims free), so the
+    partitioner never gathers a row's tokens; identity without a context split."""
+    if context_size() == 1:
+        return x
+    spec = P(CONTEXT_AXIS, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def sequence_take(x: jax.Array, idx: jax.Array) -> jax.Array:
     """``x[idx]`` for a per-token array x [S, ...] whose S may be split over ``context``.
 

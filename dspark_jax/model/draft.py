@@ -171,7 +171,8 @@ class DSparkDraftModel(nnx.Module):
         block_tokens = jnp.where(slot == 0, anchor_tokens, cfg.mask_token_id)
         x = frozen.embed_tokens[block_tokens].astype(jnp.float32)  # [Q, H] residual stream
 
-        ctx = self.hidden_norm(self.fc(row["hidden_states"]))  # [S, H]
+        hidden_states = parallel.constrain_tokens(row["hidden_states"])
+        ctx = parallel.constrain_tokens(self.hidden_norm(self.fc(hidden_states)))  # [S, H]
         block_pos = anchor_ops.block_indices(
             parallel.sequence_take(positions, anchors), b
         )  # anchor position + k

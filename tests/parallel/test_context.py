@@ -78,6 +78,18 @@ def test_mesh_has_a_context_axis():
     assert parallel.context_size() == 1
 
 
+def test_the_trainer_refuses_a_split_it_cannot_feed():
+    parallel.check_context_split(_mesh("fsdp=2,context=4"), 64)
+    with pytest.raises(ValueError, match="--total-seq-len 66 must be a multiple of the mesh's"):
+        parallel.check_context_split(_mesh("fsdp=2,context=4"), 66)
+    # A context group over two processes: the pipeline gives each process whole rows.
+    devices = np.empty((1, 1, 2, 1), object)
+    devices[0, 0, :, 0] = [SimpleNamespace(process_index=i) for i in (0, 1)]
+    mesh = SimpleNamespace(shape={"context": 2}, axis_names=parallel.MESH_AXES, devices=devices)
+    with pytest.raises(ValueError, match="--mesh context=2 spans processes"):
+        parallel.check_context_split(mesh, 64)
+
+
 @pytest.mark.parametrize("spec", MESHES)
 def test_sequence_take(spec):
     x = jnp.arange(64 * 3, dtype=jnp.float32).reshape(64, 3)
