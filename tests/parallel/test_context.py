@@ -136,11 +136,20 @@ DRAFT_MESHES = ("data=2,fsdp=2,context=2", "fsdp=2,context=4")
 @functools.cache
 def _drafter():
     """Tiny drafter (a sliding layer whose window 24 is more than a 16-token shard, a full
-    layer), a batch whose 2 documents cross shard boundaries, the jitted loss-and-grad of
+    layer), a batch whose 3 documents cross shard boundaries, the jitted loss-and-grad of
     the batch and the per-row gradients (for the bounds)."""
     cfg = tiny_config(sliding_window=24)
     rng = np.random.default_rng(1)
-    batch = random_batch(rng, cfg, rows=ROWS, seq=SEQ)  # documents [0, 32), [32, 53)
+    batch = random_batch(rng, cfg, rows=ROWS, seq=SEQ)
+    # Documents [0, 20), [20, 45), [45, 56), padding after: each crosses a shard boundary
+    # at context=4 (16, 32, 48) and the second at context=2 (32).
+    lengths = (20, 25, 11)
+    pad = SEQ - sum(lengths)
+    doc = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)] + [np.full(pad, -1)])
+    pos = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(pad, int)])
+    batch["document_ids"] = jnp.asarray(np.tile(doc, (ROWS, 1)), jnp.int32)
+    batch["position_ids"] = jnp.asarray(np.tile(pos, (ROWS, 1)), jnp.int32)
+    batch["loss_mask"] = batch["loss_mask"] * jnp.asarray(doc >= 0, jnp.int32)
     frozen = random_frozen(rng, cfg)
     model = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
     graphdef, params = nnx.split(model, nnx.Param)
