@@ -1,8 +1,9 @@
 """Mesh, logical-axis rules and multi-host start-up: the only module that knows the mesh.
 
 Modules annotate parameters with logical axis names (``embed``, ``heads``, ...);
-``LOGICAL_RULES`` maps them to the mesh axes ``data``, ``fsdp``, ``tensor``. Rows of
-a batch split over ``(data, fsdp)``; weights shard over ``fsdp`` (ZeRO-3 style) and
+``LOGICAL_RULES`` maps them to the mesh axes ``data``, ``fsdp``, ``context``, ``tensor``.
+Rows of a batch split over ``(data, fsdp)``, the tokens of a row over ``context``
+(docs/design.md, "Context parallelism"); weights shard over ``fsdp`` (ZeRO-3 style) and
 ``tensor`` (heads, MLP width, vocabulary). One device, 8 simulated CPU devices and
 a TPU pod run the same code.
 """
@@ -14,6 +15,7 @@ import os
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -21,8 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
+CONTEXT_AXIS = "context"  # splits the tokens of a row
 
 # One rule per logical name (NNX semantics: a dict). None = replicated.
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -34,14 +37,15 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "aux_embed": None,  # fc's input (n_aux * Ht); its output dim is already on fsdp
     "markov": None,  # the Markov rank is small
     "norm": None,
+    "sequence": CONTEXT_AXIS,  # the tokens of a row (every per-token tensor)
 }
 
 
 def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
-    """``"data=2,fsdp=2,tensor=2"`` -> sizes of the three axes; one size may be -1 (the
-    rest of the devices). Default: all devices on fsdp."""
+    """``"data=2,fsdp=2,context=1,tensor=2"`` -> sizes of the four axes (missing ones 1);
+    one size may be -1 (the rest of the devices). Default: all devices on fsdp."""
     if spec is None or spec == "":
-        return {"data": 1, "fsdp": num_devices, "tensor": 1}
+        return {"data": 1, "fsdp": num_devices, "context": 1, "tensor": 1}
     if isinstance(spec, str):
         sizes: dict[str, int] = {}
         for part in spec.split(","):
@@ -78,7 +82,8 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> jax.sharding.Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh, Auto axis types (docs/design.md, "Mesh axis types")."""
+    """A ('data', 'fsdp', 'context', 'tensor') mesh, Auto axis types (docs/design.md,
+    "Mesh axis types")."""
     devices = jax.devices() if devices is None else devices
     sizes = parse_mesh(spec, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
@@ -151,8 +156,100 @@ def frozen_shardings(frozen, mesh: jax.sharding.Mesh):
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
-    """Rows over (data, fsdp), everything else replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+    """Rows [R, S, ...] over (data, fsdp), their tokens S over context, the rest replicated."""
+    seq = (CONTEXT_AXIS,) if ndim >= 2 else ()
+    return NamedSharding(mesh, P(BATCH_AXES, *seq, *([None] * (ndim - 1 - len(seq)))))
+
+
+def context_size() -> int:
+    """Devices the tokens of a row are split over: the ``context`` axis of the mesh set
+    with ``jax.set_mesh`` (1 without one). Read at trace time by the model."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[CONTEXT_AXIS])
+
+
+def tracing_mesh(mesh: jax.sharding.Mesh):
+    """Context manager: the mesh the model sees while a step is traced (context_size,
+    the shard_maps). The step's arguments must already live on ``mesh``."""
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def check_context_split(mesh: jax.sharding.Mesh, seq_len: int) -> None:
+    """Raise ValueError unless rows of seq_len tokens split evenly over the context axis,
+    and each context group's devices belong to one process (the data pipeline hands
+    each process whole rows)."""
+    c = mesh.shape[CONTEXT_AXIS]
+    if seq_len % c:
+        raise ValueError(f"--total-seq-len {seq_len} must be a multiple of the mesh's context={c}")
+    axis = mesh.axis_names.index(CONTEXT_AXIS)
+    groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, c)
+    if any(len({d.process_index for d in g}) > 1 for g in groups):
+        raise ValueError(
+            f"--mesh context={c} spans processes; the data pipeline gives each process "
+            "whole rows, so a row's tokens must stay on one process's devices"
+        )
+
+
+def row_vmap_axes() -> tuple[str, ...] | None:
+    """``spmd_axis_name`` of the vmap over a batch's rows: the batch axes when the row's
+    tokens are split over context (see context_shard_map), else None."""
+    return BATCH_AXES if context_size() > 1 else None
+
+
+def constrain_tokens(x: jax.Array) -> jax.Array:
+    """Keep a per-token array x [S, ...] split over context (its other dims free), so the
+    partitioner never gathers a row's tokens; identity without a context split."""
+    if context_size() == 1:
+        return x
+    spec = P(CONTEXT_AXIS, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def sequence_take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """``x[idx]`` for a per-token array x [S, ...] whose S may be split over ``context``.
+
+    idx [N] int (0 <= idx < S). Split, each device takes the rows it holds (zeros for
+    the others) and a psum adds them: exact (one nonzero term per row), and it moves
+    N rows, not the whole sequence. No gradient flows to x (the callers gather token
+    ids, masks and the frozen verifier states).
+    """
+    x = jax.lax.stop_gradient(x)
+    if context_size() == 1:
+        return x[idx]
+    return context_shard_map(shard_take, (P(CONTEXT_AXIS), P()), P())(x, idx)
+
+
+def context_shard_map(f, in_specs, out_specs):
+    """``jax.shard_map`` of a per-device function of a row split over ``context``.
+
+    Manual over the batch axes too: under the rows' vmap (``spmd_axis_name=
+    row_vmap_axes()``) each device then takes its own rows, and the function's loops
+    (data-dependent trip counts) stay per device; a batch axis left automatic would put
+    the partitioner's collectives inside them, where devices disagree on the trip count.
+    ``tensor`` stays automatic.
+    """
+    return jax.shard_map(
+        f,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={*BATCH_AXES, CONTEXT_AXIS},
+        check_vma=False,  # loop carries mix replicated and per-shard values
+    )
+
+
+def shard_take(xs: jax.Array, idx: jax.Array) -> jax.Array:
+    """Inside a shard_map over ``context``: rows idx [N] (row positions) of the
+    sequence whose equal shards xs [S / C, ...] the devices hold -> [N, ...] on every
+    device. Each device contributes its own rows, zeros elsewhere; psum adds them."""
+    n = xs.shape[0]
+    i = idx - jax.lax.axis_index(CONTEXT_AXIS) * n
+    mine = ((i >= 0) & (i < n)).reshape(-1, *([1] * (xs.ndim - 1)))
+    rows = jnp.where(mine, xs[jnp.clip(i, 0, n - 1)], jnp.zeros((), xs.dtype))
+    if rows.dtype == jnp.bool_:
+        return jax.lax.psum(rows.astype(jnp.int32), CONTEXT_AXIS).astype(jnp.bool_)
+    return jax.lax.psum(rows, CONTEXT_AXIS)
 
 
 def rows_per_step(mesh: jax.sharding.Mesh, rows_per_replica: int = 1) -> int:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax import anchors as anchor_ops
-from dspark_jax import losses
+from dspark_jax import losses, parallel
 from dspark_jax.config import DSparkConfig
 from dspark_jax.model.heads import ConfidenceHead, MarkovHead
 from dspark_jax.model.layers import (
@@ -165,12 +165,17 @@ class DSparkDraftModel(nnx.Module):
 
         # Block tokens: the anchor token, then B-1 mask tokens.
         slot = jnp.arange(num_blocks * b) % b
-        anchor_tokens = jnp.repeat(input_ids[anchors], b)
+        # Per-token arrays may be split over the mesh's context axis: gathers at the anchors
+        # move A rows, never the row (parallel.sequence_take).
+        anchor_tokens = jnp.repeat(parallel.sequence_take(input_ids, anchors), b)
         block_tokens = jnp.where(slot == 0, anchor_tokens, cfg.mask_token_id)
         x = frozen.embed_tokens[block_tokens].astype(jnp.float32)  # [Q, H] residual stream
 
-        ctx = self.hidden_norm(self.fc(row["hidden_states"]))  # [S, H]
-        block_pos = anchor_ops.block_indices(positions[anchors], b)  # anchor position + k
+        hidden_states = parallel.constrain_tokens(row["hidden_states"])
+        ctx = parallel.constrain_tokens(self.hidden_norm(self.fc(hidden_states)))  # [S, H]
+        block_pos = anchor_ops.block_indices(
+            parallel.sequence_take(positions, anchors), b
+        )  # anchor position + k
         tables = rope_tables(cfg) if rope is None else rope
         # Length-dependent rope types (dynamic, longrope) see the row's largest position,
         # context and blocks together, like the reference's one rotary call per row.
@@ -257,7 +262,7 @@ def target_hidden(
     """
     (seq_len,) = row["input_ids"].shape
     idx = anchor_ops.target_indices(anchors, cfg.block_size, seq_len, cfg.sample_from_anchor)
-    h_last = row["verifier_last_hidden_states"][idx]
+    h_last = parallel.sequence_take(row["verifier_last_hidden_states"], idx)
     if cfg.verifier_norm_style == "gemma":
         normed = gemma_rms_norm(h_last, frozen.verifier_norm, cfg.rms_norm_eps)
     else:
@@ -329,6 +334,10 @@ def batch_loss(
         )  # fmt: skip
         return row_loss(model, frozen, row, anchors, valid, settings)
 
-    row_losses, metrics = jax.vmap(one)({k: batch[k] for k in ROW_KEYS}, keys)
+    # Split over context, the rows' axes are named: the shard_maps inside then take each
+    # device's own rows (parallel.context_shard_map).
+    row_losses, metrics = jax.vmap(one, spmd_axis_name=parallel.row_vmap_axes())(
+        {k: batch[k] for k in ROW_KEYS}, keys
+    )
     # The reference averages per-row losses across data-parallel ranks (DDP mean).
     return row_losses.mean(), jax.tree.map(lambda m: m.sum(0), metrics)

@@ -224,6 +224,10 @@ class Trainer:
                 f"--rows-per-step {self.rows_per_step} must be a multiple of data x fsdp = "
                 f"{shards} (mesh {dict(self.mesh.shape)}) and of the {nproc} processes"
             )
+        try:
+            parallel.check_context_split(self.mesh, args.total_seq_len)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.settings = LossSettings.from_loss_fn(
             args.loss_fn,
             num_anchors=args.max_anchors,
@@ -323,7 +327,8 @@ class Trainer:
             key = jax.random.fold_in(base_key, step)
 
             def loss_fn(params):
-                return batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
+                with parallel.tracing_mesh(self.mesh):  # the model reads the context split
+                    return batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
 
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
             updates, opt = tx.update(grads, state["opt"], state["params"])
@@ -337,7 +342,8 @@ class Trainer:
             key = jax.random.fold_in(
                 jax.random.fold_in(jax.random.fold_in(base_key, VAL_STREAM), epoch), index
             )
-            _, metrics = batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
+            with parallel.tracing_mesh(self.mesh):
+                _, metrics = batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
             return metrics
 
         replicated = NamedSharding(self.mesh, P())  # metrics: readable on every process

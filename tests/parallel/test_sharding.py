@@ -17,9 +17,12 @@ from tests.numerics import DRAFTER_DEPTH, U, assert_within, model_roundoff
 
 
 def test_parse_mesh():
-    assert parallel.parse_mesh(None, 8) == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert parallel.parse_mesh("data=2,fsdp=-1,tensor=2", 8) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert parallel.parse_mesh("tensor=4", 4) == {"data": 1, "fsdp": 1, "tensor": 4}
+    assert parallel.parse_mesh(None, 8) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert parallel.parse_mesh("data=2,fsdp=-1,tensor=2", 8) == {
+        "data": 2, "fsdp": 2, "context": 1, "tensor": 2,
+    }  # fmt: skip
+    assert parallel.parse_mesh("tensor=4", 4) == {"data": 1, "fsdp": 1, "context": 1, "tensor": 4}
+    assert parallel.parse_mesh("context=2,fsdp=-1", 8)["fsdp"] == 4
     with pytest.raises(ValueError, match="multiply to 4, but there are 8 devices"):
         parallel.parse_mesh("data=2,fsdp=2", 8)
     with pytest.raises(ValueError, match="bad entry 'pipeline=2'"):
@@ -56,7 +59,7 @@ def test_sharded_loss_and_grads_equal_single_device():
     params8 = jax.device_put(params, p_sh)
     frozen8 = jax.device_put(frozen, parallel.frozen_shardings(frozen, mesh))
     batch8 = parallel.global_batch({k: np.asarray(v) for k, v in batch.items()}, mesh)
-    assert batch8["input_ids"].sharding.spec == P(("data", "fsdp"), None)
+    assert batch8["input_ids"].sharding.spec == P(("data", "fsdp"), "context")  # context=1
     (l8, m8), g8 = jax.jit(loss_and_grads, out_shardings=(None, p_sh))(
         params8, frozen8, batch8, key
     )

@@ -158,7 +158,7 @@ def test_compile_for_a_tpu_slice_reports_memory_and_shards_by_the_rules(
 
 
 def flags_mesh(spec: str) -> dict[str, int]:
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    sizes = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
     sizes.update({k: int(v) for k, v in (p.split("=") for p in spec.split(","))})
     return sizes
 
@@ -375,7 +375,7 @@ def test_the_seed_mesh_fits_a_v5p_128_by_splitting_a_physical_axis():
         pytest.skip(why)
     devices = compile_target.resolve("tpu:v5p:4x4x4").devices
     mesh = parallel.make_mesh("data=8,fsdp=8", list(devices))
-    assert dict(mesh.shape) == {"data": 8, "fsdp": 8, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 8, "context": 1, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
     # Each data-parallel group of 8 is a 2x4 block of neighbouring chips, not scattered.
     for group in mesh.devices.reshape(8, 8):

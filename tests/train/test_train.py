@@ -271,6 +271,30 @@ def test_mesh_data2_fsdp2_tensor2_equals_one_device(baseline, learn, tmp_path):
     np.testing.assert_allclose(runs["mesh"], runs["one"], rtol=LOSS_RTOL)
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_mesh_with_context_equals_one_device_and_resumes_exactly(baseline, learn, tmp_path):
+    """--mesh data=2,fsdp=2,context=2: each row's 64 tokens over 2 devices. The losses are
+    the one-device run's (the same sums in other orders: LOSS_RTOL), and a run resumed from
+    step 5 on the same mesh continues bit for bit."""
+    verifier, data = learn
+    _, records, _ = baseline
+    over = {
+        **RUN,
+        "max_steps": 10,
+        "scheduler_total_steps": STEPS_PER_EPOCH * EPOCHS,
+        "mesh": "data=2,fsdp=2,context=2",
+    }
+    assert train.run(cli.resolve(tiny_argv(verifier, data, tmp_path / "full", **over))) == 0
+    full = read_jsonl(tmp_path / "full" / "logs" / "run" / "metrics.jsonl")
+    np.testing.assert_allclose(losses(full)[:3], losses(records)[:3], rtol=LOSS_RTOL)
+    shutil.copytree(tmp_path / "full" / "ckpt", tmp_path / "resumed" / "ckpt")
+    shutil.rmtree(tmp_path / "resumed" / "ckpt" / "10")
+    assert train.run(cli.resolve(tiny_argv(verifier, data, tmp_path / "resumed", **over))) == 0
+    resumed = read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
+    assert [r["global_step"] for r in resumed if "train" in r] == list(range(5, 10))
+    assert losses(resumed) == losses(full)[5:]  # bit-exact: same batches, same anchors
+
+
 def test_sigterm_then_restart_continues_exactly(baseline, learn, tmp_path, compilation_cache):
     """Kill mid-epoch (step 7 = epoch 1, step 2 of 5), restart with the same command."""
     verifier, data = learn
