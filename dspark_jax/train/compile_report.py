@@ -160,8 +160,13 @@ def abstract_inputs(trainer, mesh):
         return jax.tree.map(lambda a, s: _shaped(a.shape, a.dtype, s), tree, shardings)
 
     state = {"params": with_sh(abstract, param_sh), "opt": with_sh(opt_abstract, opt_sh)}
+    verifier = getattr(trainer, "instep", None)
+    if verifier is not None:  # --hidden-states-backend jax: its weights are step inputs too
+        vparams = verifier.abstract(mesh)
+        frozen_sh = (frozen_sh, {n: a.sharding for n, a in vparams.items()})
+        frozen = (frozen, vparams)
     r, s = trainer.rows_per_step, args.total_seq_len
-    ht = cfg.verifier_hidden_size
+    ht = cfg.verifier_hidden_size if verifier is None else 0  # tokens-only rows
     hs = jnp.bfloat16 if args.hidden_states_dtype == "bfloat16" else jnp.float32
     batch_shapes = {  # dspark_jax/data/pipeline.py's batch layout
         "hidden_states": ((r, s, cfg.num_aux_layers * ht), hs),
@@ -210,7 +215,8 @@ def compile_steps(trainer) -> CompiledSteps:
     trainer._compile(graphdef, state_sh, frozen_sh)
     train, train_c = _compile("train", trainer.train_step, state, frozen, batch, scalar)
     ev, eval_c = _compile("eval", trainer.eval_step, state["params"], frozen, batch, scalar, scalar)
-    head = _bytes_per_device(frozen.verifier_lm_head)  # the trainer passes one buffer twice
+    heads = frozen if getattr(trainer, "instep", None) is None else frozen[0]
+    head = _bytes_per_device(heads.verifier_lm_head)  # the trainer passes one buffer twice
     opt_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["opt"]))
     for step in (train, ev):
         step.shared = head if step.error is None else 0

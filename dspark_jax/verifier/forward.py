@@ -163,6 +163,9 @@ def hidden_states(
     if list(layer_ids) != sorted(set(layer_ids)):
         raise ValueError(f"layer_ids {layer_ids} must be ascending and unique")
     cfg.check_layer_ids(layer_ids, "layer_ids")
+    input_ids, position_ids, document_ids = map(
+        jnp.asarray, (input_ids, position_ids, document_ids)
+    )
     embed = params["embed_tokens.weight"]
     out_dtype = embed.dtype if out_dtype is None else out_dtype
     x = embed[input_ids].astype(_F32)
@@ -202,8 +205,11 @@ def hidden_states(
 
 def batch_hidden_states(params: Params, cfg: VerifierConfig, batch: dict, layer_ids, **kw):
     """Rows of a batch ([B, S] ``input_ids``, ``position_ids``, ``document_ids``) ->
-    [B, S, n, Ht], with no gradient to the (frozen) parameters."""
+    [B, S, n, Ht], with no gradient to the (frozen) parameters. Rows run one after the
+    other (``lax.map``): one row's activations live at a time, and ``lax.ragged_dot``
+    (the experts) has no batching rule for every operand."""
     params = jax.lax.stop_gradient(params)
-    return jax.vmap(lambda i, p, d: hidden_states(params, cfg, i, p, d, layer_ids, **kw))(
-        batch["input_ids"], batch["position_ids"], batch["document_ids"]
+    return jax.lax.map(
+        lambda r: hidden_states(params, cfg, *r, layer_ids, **kw),
+        (batch["input_ids"], batch["position_ids"], batch["document_ids"]),
     )

@@ -1,0 +1,200 @@
+"""``--hidden-states-backend jax``: the trainer computes the rows' hidden states in the step.
+
+A random Qwen3 verifier (transformers, saved locally) of the tiny trainer shapes (hidden 8,
+4 layers, vocab 1024) and the tiny prepared data. Checks: the step's batch holds, slot by
+slot, the hidden states HF's forward gives each packed document (aux layers in the
+drafter's order, then layer N pre-norm), within tests/verifier/bounds.py's bound; a run
+trains with no hidden-state file; a resumed run repeats the uninterrupted one bit for bit;
+bad verifier folders and data stop before the first step with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dspark_jax.train import flags as cli
+from dspark_jax.train import instep
+from dspark_jax.train import trainer as train
+from dspark_jax.verifier import UnsupportedVerifierError, VerifierCheckpointError
+from tests.data.conftest import make_tiny_data, write_prepared_dataset
+from tests.numerics import U
+from tests.train.conftest import read_jsonl, tiny_argv
+from tests.verifier.bounds import chain_depth, projection_sensitivity
+from tests.verifier.hf_models import hf_hidden_states
+
+AUX = (1, 2)  # the drafter requires ascending aux layers (vLLM's capture order)
+SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=4,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def hf_qwen3(folder, seed=0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3", **SHAPE)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(r / p.shape[-1] ** 0.5 if p.ndim >= 2 and "embed" not in name else r)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * r)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("instep")
+    model = hf_qwen3(root / "verifier")
+    data = make_tiny_data(root / "data", n_docs=40, max_len=30)
+    shutil.rmtree(data.hs_path)  # the in-step backend needs the prepared dataset only
+    return root, model, data
+
+
+def argv(setup, out, **over):
+    root, _, data = setup
+    flags = dict(
+        hidden_states_backend="jax",
+        verifier_dtype="float32",
+        target_layer_ids=[str(i) for i in AUX],
+        epochs=2,
+    )
+    flags.update(over)
+    return tiny_argv(root / "verifier", data, out, **flags)
+
+
+def test_step_batch_equals_hf_per_document(setup, tmp_path):
+    root, model, data = setup
+    args = cli.resolve(argv(setup, tmp_path))
+    t = train.Trainer(args, devices=jax.devices()[:1])
+    assert t.instep is not None and t.cfg.aux_hidden_state_layer_ids == list(AUX)
+    pd = t.open_data()
+    batch = pd.step_loader("train", 0)(0)
+    assert batch["hidden_states"].shape[-1] == 0  # nothing was read
+    vparams = t.instep.load(t.mesh)
+    filled = jax.jit(t.instep.fill)(vparams, {k: jnp.asarray(v) for k, v in batch.items()})
+    ids = (*AUX, 4)
+    for r in range(batch["input_ids"].shape[0]):
+        doc, pos = batch["document_ids"][r], batch["position_ids"][r]
+        n = int((doc >= 0).sum())
+        got = np.concatenate(
+            [
+                np.asarray(filled["hidden_states"][r]).reshape(len(doc), len(AUX), 8),
+                np.asarray(filled["verifier_last_hidden_states"][r])[:, None],
+            ],
+            axis=1,
+        )[:n]
+        want = np.concatenate(
+            [
+                hf_hidden_states(model, batch["input_ids"][r][doc == d], ids)
+                for d in range(int(doc.max()) + 1)
+            ]
+        )
+        c = np.random.default_rng(r).standard_normal((len(doc), len(ids), 8)).astype(np.float32)
+        c[n:] = 0
+        sens = projection_sensitivity(
+            vparams, t.instep.cfg, batch["input_ids"][r], pos, doc, ids, c
+        )[:n]
+        depth = np.array([chain_depth(t.instep.cfg, k, 30) for k in ids])
+        diff = np.abs(np.einsum("tjh,tjh->tj", c[:n], got - want))
+        assert (diff <= 2 * depth[None] * U * sens).all(), (r, diff.max())
+
+
+def test_trains_and_resumes_exactly(setup, tmp_path):
+    full = tmp_path / "full"
+    assert train.run(cli.resolve(argv(setup, full)), devices=jax.devices()[:1]) == 0
+    records = read_jsonl(full / "logs" / "run" / "metrics.jsonl")
+    losses = [r["train"]["loss"] for r in records if "train" in r]
+    assert losses and all(np.isfinite(losses))
+    steps = sorted(int(p.name) for p in (full / "ckpt").iterdir() if p.name.isdigit())
+    assert len(steps) >= 2
+    shutil.copytree(full / "ckpt", tmp_path / "resumed" / "ckpt")
+    shutil.rmtree(tmp_path / "resumed" / "ckpt" / str(steps[-1]))
+    resumed_args = cli.resolve(argv(setup, tmp_path / "resumed"))
+    assert train.run(resumed_args, devices=jax.devices()[:1]) == 0
+    resumed = read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
+    again = [r["train"]["loss"] for r in resumed if "train" in r]
+    assert again == losses[len(losses) - len(again) :] and len(again) < len(losses)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _build(folder, setup, tmp_path, **over):
+    args = cli.resolve(argv(setup, tmp_path, verifier_name_or_path=str(folder), **over))
+    return train.Trainer(args, devices=jax.devices()[:1])
+
+
+def _copy(setup, tmp_path):
+    dst = tmp_path / "v"
+    shutil.copytree(setup[0] / "verifier", dst)
+    return dst
+
+
+def test_unsupported_family_is_refused_before_reading(setup, tmp_path):
+    v = _copy(setup, tmp_path)
+    cfg = json.loads((v / "config.json").read_text())
+    cfg["model_type"] = "deepseek_v3"
+    (v / "config.json").write_text(json.dumps(cfg))
+    (v / "model.safetensors").write_bytes(b"not read")
+    with pytest.raises(
+        UnsupportedVerifierError, match=r"model_type 'deepseek_v3'.*supported: llama"
+    ):
+        instep.build(str(v), None, "bfloat16", None)
+
+
+def test_missing_and_misshaped_tensors(setup, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    v = _copy(setup, tmp_path)
+    tensors = load_file(v / "model.safetensors")
+    del tensors["model.layers.3.mlp.down_proj.weight"]
+    save_file(tensors, v / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        VerifierCheckpointError, match=r"missing tensor model\.layers\.3\.mlp\.down_proj"
+    ):
+        _build(v, setup, tmp_path)
+    tensors["model.layers.3.mlp.down_proj.weight"] = np.zeros((8, 15), np.float32)
+    save_file(tensors, v / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        VerifierCheckpointError, match=r"down_proj\.weight has shape \(8, 15\), config"
+    ):
+        _build(v, setup, tmp_path)
+
+
+def test_layer_ids_beyond_the_verifier(setup, tmp_path):
+    with pytest.raises(ValueError, match=r"target_layer_ids must be distinct and within \[0, 4\]"):
+        _build(setup[0] / "verifier", setup, tmp_path, target_layer_ids=["2", "5"])
+    vcfg = instep.load_verifier_config(setup[0] / "verifier")  # the verifier's own check
+    with pytest.raises(ValueError, match=r"aux: layer ids \[2, 5\] must lie in \[0, 4\]"):
+        vcfg.check_layer_ids([2, 5], "aux")
+
+
+def test_vocab_mismatch_with_the_data(setup, tmp_path):
+    root, _, data = setup
+    bad = tmp_path / "bad"
+    write_prepared_dataset(bad, [np.array([1, 2, 1024 + 7])] * 8, [np.array([0, 1, 1])] * 8)
+    args = cli.resolve(argv(setup, tmp_path, data_path=str(bad)))
+    t = train.Trainer(args, devices=jax.devices()[:1])
+    with pytest.raises(
+        instep.InStepError, match=r"token id 1031 >= the verifier's vocab_size 1024"
+    ):
+        t.open_data()
