@@ -85,7 +85,7 @@ def test_step_batch_equals_hf_per_document(setup, tmp_path):
     root, model, data = setup
     args = cli.resolve(argv(setup, tmp_path))
     t = train.Trainer(args, devices=jax.devices()[:1])
-    assert t.instep is not None and t.cfg.aux_hidden_state_layer_ids == list(AUX)
+    assert t.instep is not None and tuple(t.cfg.aux_hidden_state_layer_ids) == AUX
     pd = t.open_data()
     batch = pd.step_loader("train", 0)(0)
     assert batch["hidden_states"].shape[-1] == 0  # nothing was read
