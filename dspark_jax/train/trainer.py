@@ -55,7 +55,7 @@ from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData
 from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
-from dspark_jax.train import drafter_setup, flags, instep, online_setup, throughput
+from dspark_jax.train import drafter_setup, flags, online_setup, throughput
 from dspark_jax.train.checkpoint import FORMAT as CHECKPOINT_FORMAT  # what the converters read
 from dspark_jax.train.checkpoint import Checkpointer, CheckpointError
 from dspark_jax.train.dry_run import dry_run
@@ -67,6 +67,7 @@ from dspark_jax.train.metrics_log import (
     normalize_counted_metrics,
     step_metrics,
 )
+from dspark_jax.verifier import instep
 
 log = logging.getLogger("dspark_jax.train")
 

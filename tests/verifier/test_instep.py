@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from dspark_jax.train import flags as cli
-from dspark_jax.train import instep
 from dspark_jax.train import trainer as train
-from dspark_jax.verifier import UnsupportedVerifierError, VerifierCheckpointError
+from dspark_jax.verifier import UnsupportedVerifierError, VerifierCheckpointError, instep
 from tests.data.conftest import make_tiny_data, write_prepared_dataset
 from tests.numerics import U
 from tests.train.conftest import read_jsonl, tiny_argv
@@ -118,9 +117,15 @@ def test_step_batch_equals_hf_per_document(setup, tmp_path):
         assert (diff <= 2 * depth[None] * U * sens).all(), (r, diff.max())
 
 
-def test_trains_and_resumes_exactly(setup, tmp_path):
-    full = tmp_path / "full"
+@pytest.fixture(scope="module")
+def trained(setup, tmp_path_factory):
+    full = tmp_path_factory.mktemp("full")
     assert train.run(cli.resolve(argv(setup, full)), devices=jax.devices()[:1]) == 0
+    return full
+
+
+def test_trains_and_resumes_exactly(setup, trained, tmp_path):
+    full = trained
     records = read_jsonl(full / "logs" / "run" / "metrics.jsonl")
     losses = [r["train"]["loss"] for r in records if "train" in r]
     assert losses and all(np.isfinite(losses))
@@ -133,6 +138,55 @@ def test_trains_and_resumes_exactly(setup, tmp_path):
     resumed = read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
     again = [r["train"]["loss"] for r in resumed if "train" in r]
     assert again == losses[len(losses) - len(again) :] and len(again) < len(losses)
+
+
+def test_eval_backend_matches_files(setup, trained, tmp_path):
+    """python -m dspark_jax.eval --hidden-states-backend jax on the prepared dataset alone,
+    against the same evaluation from fp32 files of HF's per-document hidden states. The
+    hidden states agree to fp32 round-off (test_step_batch_equals_hf_per_document); the
+    analytic acceptance is a smooth function of them, so it agrees far inside 1e-4."""
+    from dspark_jax.eval import runner as dspark_eval
+    from tests.data.conftest import write_hs
+
+    root, model, data = setup
+    hs = tmp_path / "hs"
+    hs.mkdir()
+    for i, ids in enumerate(data.input_ids):
+        write_hs(hs, i, ids, hf_hidden_states(model, ids, (*AUX, 4)))
+    common = ["--checkpoint", str(trained / "ckpt"), "--verifier", str(root / "verifier"),
+              "--dataset", f"d={data.data_path}", "--total-seq-len", "64", "--no-plots",
+              "--anchors-per-call", "16"]  # fmt: skip
+    jax_run = dspark_eval.run(
+        [
+            *common,
+            "--output-dir",
+            str(tmp_path / "a"),
+            "--hidden-states-backend",
+            "jax",
+            "--verifier-dtype",
+            "float32",
+            "--hidden-states-dtype",
+            "float32",
+        ]  # fmt: skip
+    )
+    file_run = dspark_eval.run(
+        [
+            *common,
+            "--output-dir",
+            str(tmp_path / "b"),
+            "--hidden-states",
+            f"d={hs}",
+            "--hidden-states-dtype",
+            "float32",
+        ]  # fmt: skip
+    )
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())["datasets"]["d"]
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())["datasets"]["d"]
+    assert a["documents"] == b["documents"] == len(data.input_ids)
+    got = np.array(a["acceptance"]["analytic/free_running"]["cumulative"])
+    want = np.array(b["acceptance"]["analytic/free_running"]["cumulative"])
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert jax_run is not None and file_run is not None
 
 
 # ------------------------------------------------------------------------------ bad input

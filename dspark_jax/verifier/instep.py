@@ -16,9 +16,15 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.config import DSparkConfig
-from dspark_jax.verifier import batch_hidden_states, load_params, load_verifier_config
-from dspark_jax.verifier.config import VerifierConfig
-from dspark_jax.verifier.weights import Checkpoint, param_shardings, param_specs, readers
+from dspark_jax.verifier.config import VerifierConfig, load_verifier_config
+from dspark_jax.verifier.forward import batch_hidden_states
+from dspark_jax.verifier.weights import (
+    Checkpoint,
+    load_params,
+    param_shardings,
+    param_specs,
+    readers,
+)
 
 BACKEND = "jax"
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
