@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from dspark_jax import optim, parallel
 from dspark_jax.model.draft import FrozenWeights
 from dspark_jax.train import compile_target
+from dspark_jax.verifier.weights import param_specs
 
 GIB = 2**30
 COLLECTIVES = (
@@ -272,9 +273,41 @@ def report_lines(c: CompiledSteps, args) -> list[str]:
     return lines
 
 
+def instep_line(trainer, steps: CompiledSteps) -> str:
+    """--hidden-states-backend jax: the verifier's share of the step (weights per chip,
+    forward FLOPs against the drafter's) and the storage it replaces."""
+    from dspark_jax.train import throughput
+
+    v, args, cfg = trainer.instep, trainer.args, trainer.cfg
+    shards = steps.frozen_shardings[1]
+    weights = sum(
+        _bytes_per_device(jax.ShapeDtypeStruct(s.shape, v.param_dtype, sharding=shards[n]))
+        for n, s in param_specs(v.cfg).items()
+    )
+    rows, seq = trainer.rows_per_step, args.total_seq_len
+    fwd = v.forward_flops(rows, seq)
+    q = args.max_anchors * cfg.block_size
+    drafter = throughput.train_step_flops(
+        cfg, rows=rows, num_anchors=args.max_anchors, seq_len=seq,
+        context=[float(rows * q * seq)] * cfg.num_hidden_layers,
+    )  # fmt: skip
+    slots = len(v.captured)
+    per_token = slots * v.cfg.hidden_size * np.dtype(v.out_dtype).itemsize
+    return (
+        f"in-step verifier ({v.cfg.model_type}, {v.cfg.num_hidden_layers} layers, "
+        f"{np.dtype(v.param_dtype).name} weights {_gib(weights)} per chip): forward <= "
+        f"{fwd / 1e12:.3g} TFLOP per step vs the drafter step's <= {drafter / 1e12:.3g} TFLOP "
+        f"({fwd / (fwd + drafter):.0%} of the step); no hidden-state files: "
+        f"{per_token * seq / 2**20:.3g} MiB per {seq}-token sample not stored"
+    )
+
+
 def compile_report(trainer) -> int:
     """Print the report; 0 if both steps fit, 1 if not."""
     steps = compile_steps(trainer)
-    for line in report_lines(steps, trainer.args):
+    lines = report_lines(steps, trainer.args)
+    if getattr(trainer, "instep", None) is not None:
+        lines.insert(-1, instep_line(trainer, steps))
+    for line in lines:
         print(f"[compile] {line}", flush=True)
     return 0 if steps.fits else 1

@@ -57,6 +57,25 @@ class InStepVerifier:
             for n, s in param_specs(self.cfg).items()
         }
 
+    def forward_flops(self, rows: int, seq_len: int) -> float:
+        """Matmul FLOPs of the forward over ``rows`` rows of ``seq_len`` tokens, an upper
+        bound: every row one causal document (packing only removes attention pairs)."""
+        c = self.cfg
+        h, d = c.hidden_size, c.head_dim
+        nq, nkv = c.num_attention_heads * d, c.num_key_value_heads * d
+        total = 0.0
+        for i in range(c.num_hidden_layers):
+            w = c.layer_windows[i]
+            pairs = sum(min(t + 1, w or t + 1) for t in range(seq_len))
+            total += 2 * seq_len * (h * (nq + 2 * nkv) + nq * h)  # q, k, v, o
+            total += 4 * pairs * nq  # scores and P V
+            if c.is_moe(i):
+                e, k, mi = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+                total += 2 * seq_len * (h * e + k * 3 * h * mi)
+            else:
+                total += 2 * seq_len * 3 * h * c.intermediate_size
+        return rows * total
+
     def fill(self, params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> dict:
         """The batch with ``hidden_states`` [B, S, n_aux * H] (aux slots layer-major, in the
         drafter's aux order) and ``verifier_last_hidden_states`` [B, S, H] computed."""

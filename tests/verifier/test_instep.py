@@ -252,3 +252,22 @@ def test_vocab_mismatch_with_the_data(setup, tmp_path):
         instep.InStepError, match=r"token id 1031 >= the verifier's vocab_size 1024"
     ):
         t.open_data()
+
+
+def test_compile_for_includes_the_verifier(setup, tmp_path, capsys):
+    """--dry-run --compile-for with the in-step backend from config.json alone (no
+    weights, no data): the step compiles over fsdp x tensor and reports the verifier."""
+    cfg_only = tmp_path / "config_only"
+    cfg_only.mkdir()
+    shutil.copy(setup[0] / "verifier" / "config.json", cfg_only / "config.json")
+    from tests.train.test_compile_for import tiny_compile_argv
+
+    argv = tiny_compile_argv(
+        cfg_only, tmp_path, "--compile-for", "local", "--mesh", "fsdp=2,tensor=2",
+        "--hidden-states-backend", "jax", "--rows-per-step", "2",
+    )  # fmt: skip
+    assert train.run(cli.resolve(argv), devices=jax.devices()[:4]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "in-step verifier (qwen3, 4 layers" in ln)
+    assert "bfloat16 weights" in line and "TFLOP per step" in line
+    assert out.splitlines()[-1].startswith("[compile] fits: local")
