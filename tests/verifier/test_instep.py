@@ -271,3 +271,36 @@ def test_compile_for_includes_the_verifier(setup, tmp_path, capsys):
     line = next(ln for ln in out.splitlines() if "in-step verifier (qwen3, 4 layers" in ln)
     assert "bfloat16 weights" in line and "TFLOP per step" in line
     assert out.splitlines()[-1].startswith("[compile] fits: local")
+
+
+@pytest.mark.slow
+def test_two_processes_read_only_their_shards(setup, tmp_path):
+    """Each of 2 processes (2 CPU devices each, mesh fsdp=2 x tensor=2) reads exactly the
+    slices its devices hold, and they equal the file's."""
+    import os
+    import subprocess
+
+    import portpicker
+
+    from tests.train.conftest import PYTHON, ROOT
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    port = str(portpicker.pick_unused_port())
+    folder = str(setup[0] / "verifier")
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "-m", "tests.verifier.load_child", folder, port, str(pid)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for pid in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert out.startswith("ok "), out
