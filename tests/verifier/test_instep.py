@@ -304,3 +304,17 @@ def test_two_processes_read_only_their_shards(setup, tmp_path):
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
         assert out.startswith("ok "), out
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (dict(hidden_states_backend="file", verifier_dtype="float32"),
+         "--verifier-dtype applies to --hidden-states-backend jax only"),
+        (dict(hidden_states_path="/x"), "--hidden-states-path: --hidden-states-backend jax reads no files"),
+        (dict(on_missing="generate"), "--on-missing generate: --hidden-states-backend jax computes"),
+    ],
+)  # fmt: skip
+def test_flag_errors(setup, tmp_path, over, message):
+    with pytest.raises(cli.ConfigError, match=message):
+        cli.resolve(argv(setup, tmp_path, **over))
