@@ -205,11 +205,13 @@ def hidden_states(
 
 def batch_hidden_states(params: Params, cfg: VerifierConfig, batch: dict, layer_ids, **kw):
     """Rows of a batch ([B, S] ``input_ids``, ``position_ids``, ``document_ids``) ->
-    [B, S, n, Ht], with no gradient to the (frozen) parameters. Rows run one after the
-    other (``lax.map``): one row's activations live at a time, and ``lax.ragged_dot``
-    (the experts) has no batching rule for every operand."""
+    [B, S, n, Ht], with no gradient to the (frozen) parameters.
+
+    Rows are vmapped (they stay sharded over the mesh's batch axes), except with experts:
+    ``lax.ragged_dot`` has no batching rule for per-row group sizes, so MoE verifiers run
+    their rows one after the other (``lax.map``)."""
     params = jax.lax.stop_gradient(params)
-    return jax.lax.map(
-        lambda r: hidden_states(params, cfg, *r, layer_ids, **kw),
-        (batch["input_ids"], batch["position_ids"], batch["document_ids"]),
-    )
+    rows = (batch["input_ids"], batch["position_ids"], batch["document_ids"])
+    if cfg.num_experts:
+        return jax.lax.map(lambda r: hidden_states(params, cfg, *r, layer_ids, **kw), rows)
+    return jax.vmap(lambda *r: hidden_states(params, cfg, *r, layer_ids, **kw))(*rows)
