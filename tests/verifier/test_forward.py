@@ -185,3 +185,18 @@ def test_planted_documents_not_separated(case):
 def test_planted_softcap_dropped(case):
     c = case("gemma2")
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, attn_softcap=None)))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])  # vmapped rows; lax.map for experts
+def test_batch_of_rows(case, name):
+    c = case(name)
+    batch = {
+        "input_ids": np.stack([c.ids, c.ids]),
+        "position_ids": np.stack([c.pos, c.pos]),
+        "document_ids": np.stack([c.doc, c.doc]),
+    }
+    f = jax.jit(lambda p, b: fwd.batch_hidden_states(p, c.cfg, b, LAYER_IDS, **BLOCKS))
+    out = np.asarray(f(c.params, batch))
+    assert out.shape == (2, len(c.ids), len(LAYER_IDS), c.cfg.hidden_size)
+    for r in range(2):
+        c.check(out[r][: c.n], what=f" (batch row {r})")
