@@ -91,6 +91,7 @@ def test_step_batch_equals_hf_per_document(setup, tmp_path):
     vparams = t.instep.load(t.mesh)
     filled = jax.jit(t.instep.fill)(vparams, {k: jnp.asarray(v) for k, v in batch.items()})
     ids = (*AUX, 4)
+    vparams_norm = model.model.norm.weight.detach().numpy()
     for r in range(batch["input_ids"].shape[0]):
         doc, pos = batch["document_ids"][r], batch["position_ids"][r]
         n = int((doc >= 0).sum())
@@ -113,8 +114,17 @@ def test_step_batch_equals_hf_per_document(setup, tmp_path):
             vparams, t.instep.cfg, batch["input_ids"][r], pos, doc, ids, c
         )[:n]
         depth = np.array([chain_depth(t.instep.cfg, k, 30) for k in ids])
-        diff = np.abs(np.einsum("tjh,tjh->tj", c[:n], got - want))
-        assert (diff <= 2 * depth[None] * U * sens).all(), (r, diff.max())
+        bound = 2 * depth[None] * U * sens
+
+        def within(x):
+            return (np.abs(np.einsum("tjh,tjh->tj", c[:n], x - want)) <= bound).all()
+
+        assert within(got), r
+        # Planted layout bugs fail: aux slots in the wrong order; the last slot post-norm.
+        assert not within(got[:, [1, 0, 2]])
+        w = vparams_norm
+        normed = got[:, 2] / np.sqrt(np.mean(got[:, 2] ** 2, -1, keepdims=True) + 1e-6) * w
+        assert not within(np.concatenate([got[:, :2], normed[:, None]], axis=1))
 
 
 @pytest.fixture(scope="module")
