@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from dspark_jax.data.files import DataError, SafetensorsFile
-from dspark_jax.parallel import _fit
+from dspark_jax.parallel import logical_spec
 from dspark_jax.verifier.config import VerifierConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -210,7 +210,7 @@ def readers(ckpt: Checkpoint, cfg: VerifierConfig) -> dict[str, tuple[ParamSpec,
 def param_shardings(cfg: VerifierConfig, mesh: jax.sharding.Mesh) -> dict[str, NamedSharding]:
     """Each parameter's sharding by the trainer's logical-axis rules."""
     return {
-        name: NamedSharding(mesh, _fit(spec.axes, spec.shape, mesh))
+        name: NamedSharding(mesh, logical_spec(spec.axes, spec.shape, mesh))
         for name, spec in param_specs(cfg).items()
     }
 
