@@ -8,7 +8,7 @@ VERIFIER := configs/demo/verifier
 # <folder>` needs a repo id there, while the tensors come from $(VERIFIER).
 DEMO_VERIFIER_NAME ?= dspark-jax/demo-verifier
 
-.PHONY: demo demo-online demo-onpolicy test clean-demo
+.PHONY: demo demo-online demo-onpolicy demo-instep test clean-demo
 
 demo: $(DEMO)/export/README.md
 	@cat $(DEMO)/export/README.md
@@ -57,6 +57,29 @@ $(DEMO)/export/README.md: $(DEMO)/eval/summary.json
 		--verifier-name $(DEMO_VERIFIER_NAME) --verifier-path $(VERIFIER) \
 		--calibration $(DEMO)/eval/calibration.json --eval-dir $(DEMO)/eval --overwrite
 	$(PY) -m converters check $(DEMO)/export --verifier $(VERIFIER)
+
+# Optional: the demo without the extraction step: the verifier runs inside the training
+# step (--hidden-states-backend jax); only the prepared rows are written, no hidden state.
+# The held-out evaluation computes its hidden states the same way.
+INSTEP := runs/demo-instep
+$(INSTEP)/data/state.json: | $(PY)
+	$(PY) -m launch.prepare_data --model $(VERIFIER) --data configs/demo/conversations.jsonl \
+		--output $(INSTEP)/data --seq-length 1024 --minimum-valid-tokens 16 --draft-vocab-size 2048
+
+$(INSTEP)/heldout/state.json: | $(PY)
+	$(PY) -m launch.prepare_data --model $(VERIFIER) --data configs/demo/conversations_heldout.jsonl \
+		--output $(INSTEP)/heldout --seq-length 1024 --minimum-valid-tokens 16
+
+$(INSTEP)/checkpoints/training_complete: $(INSTEP)/data/state.json
+	$(PY) -m dspark_jax.train --config configs/demo/train.yaml --hidden-states-backend jax \
+		--verifier-dtype float32 --data-path $(INSTEP)/data --save-path $(INSTEP)/checkpoints \
+		--log-dir $(INSTEP)/logs --run-name demo-instep
+	touch $@
+
+demo-instep: $(INSTEP)/checkpoints/training_complete $(INSTEP)/heldout/state.json
+	$(PY) -m dspark_jax.eval --checkpoint $(INSTEP)/checkpoints --step best --verifier $(VERIFIER) \
+		--total-seq-len 1024 --dataset heldout=$(INSTEP)/heldout --output-dir $(INSTEP)/eval \
+		--hidden-states-backend jax --verifier-dtype float32 --hidden-states-dtype float32
 
 # Optional: the demo drafter trained for one epoch on hidden states generated online
 # by launch/serve_hidden_states.py (file transport; no hidden-state file is read).

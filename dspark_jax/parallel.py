@@ -119,6 +119,11 @@ def _fit(spec: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
     return P(*out)
 
 
+def logical_spec(names: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
+    """The PartitionSpec of an array with logical axis ``names`` (arrays outside nnx)."""
+    return _fit(names, shape, mesh)
+
+
 def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh):
     """NamedShardings for every leaf of an nnx.State (params or optimizer state)
     from the ``out_sharding`` logical names recorded on its Variables."""

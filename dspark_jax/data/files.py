@@ -560,6 +560,12 @@ class PreparedDataset:
     def __len__(self) -> int:
         return len(self.seq_len)
 
+    def max_token_id(self) -> int:
+        """The largest input id of any row (-1 when there are none)."""
+        c = self._ids
+        parts = [v[o[0] : o[-1]] for v, o in zip(c.values, c.offsets, strict=True) if o[-1] > o[0]]
+        return max((int(p.max()) for p in parts), default=-1)
+
     def input_ids(self, i: int) -> np.ndarray:
         return self._ids[i]
 

@@ -137,8 +137,10 @@ class StepLoader:
         shared_memory: bool = False,
         online: OnlineSource | None = None,
         read_files: bool = True,
+        tokens_only: bool = False,
     ):
         self.dataset = dataset
+        self.tokens_only = tokens_only
         self.hidden_states_dir = Path(hidden_states_dir)
         self.plan = plan
         self.ranks = ranks
@@ -173,7 +175,9 @@ class StepLoader:
                     break
                 file_idx = self.split_start + doc
                 try:
-                    if file_idx in pending or (self.online and not self._has_file(file_idx)):
+                    if self.tokens_only:
+                        self._append_tokens(rows, i, file_idx)
+                    elif file_idx in pending or (self.online and not self._has_file(file_idx)):
                         self._append_generated(rows, i, file_idx, room, pending)
                     elif not self.read_files:
                         raise BadSampleError(
@@ -237,6 +241,12 @@ class StepLoader:
             values if values.dtype == dtype else values.astype(dtype),
         )
 
+    def _append_tokens(self, rows: RowBuffers, i: int, file_idx: int) -> None:
+        """In-step backend: tokens and masks only (the buffers' hidden width is 0)."""
+        ids = self.dataset.input_ids(file_idx)
+        empty = np.zeros((len(ids), self.n_aux + 1, 0), _DTYPES[self.dtype])
+        rows.append(i, ids, self.dataset.loss_mask(file_idx), empty)
+
     def _append(self, rows: RowBuffers, i: int, file_idx: int, room: int) -> None:
         path = hs_path(self.hidden_states_dir, file_idx)
         input_ids = self.dataset.input_ids(file_idx)
@@ -287,6 +297,9 @@ class PackedData:
         ``generate``: samples without a file come from ``online`` (bad files and
         samples whose generation failed are skipped and counted).
       online: the :class:`~dspark_jax.data.online.OnlineSource` for ``generate``.
+      tokens_only: the in-step backend (``--hidden-states-backend jax``): rows carry
+        tokens, masks, positions and documents; the hidden-state buffers have width 0
+        and the step computes them.
       read_files: False for the Mooncake backend: no sample is read from disk (as the
         reference, every sample is missing: generated, or handled by ``on_missing``).
       hidden_states_dtype: ``bfloat16`` | ``float16`` | ``float32``; default: the
@@ -316,7 +329,11 @@ class PackedData:
         aux_hidden_state_layer_ids: Sequence[int] | None = None,
         online: OnlineSource | None = None,
         read_files: bool = True,
+        tokens_only: bool = False,
     ):
+        if tokens_only:  # in-step backend: no file is read
+            read_files = False
+        self.tokens_only = tokens_only
         if (on_missing == "generate") != (online is not None):
             raise ValueError(
                 "on_missing='generate' and an online source (dspark_jax.data.online) go "
@@ -355,16 +372,17 @@ class PackedData:
         self.read_files = read_files
         if read_files and not self.hidden_states_path.is_dir() and online is None:
             raise DataError(f"{self.hidden_states_path}: hidden states folder not found")
-        check_extraction_config(
-            self.hidden_states_path,
-            n_aux=n_aux,
-            hidden_size=hidden_size,
-            aux_layer_ids=aux_hidden_state_layer_ids,
-        )
+        if not tokens_only:  # no files: nothing to check against
+            check_extraction_config(
+                self.hidden_states_path,
+                n_aux=n_aux,
+                hidden_size=hidden_size,
+                aux_layer_ids=aux_hidden_state_layer_ids,
+            )
         self.dataset = PreparedDataset(self.data_path)
         self.total_seq_len = total_seq_len
         self.n_aux = n_aux
-        self.hidden_size = hidden_size
+        self.hidden_size = 0 if tokens_only else hidden_size  # in-step: no hidden width
         self.train_data_ratio = train_data_ratio
         self.rows_per_process = rows_per_process
         self.process_index = process_index
@@ -487,6 +505,7 @@ class PackedData:
             shared_memory=shared_memory,
             online=self.online,
             read_files=self.read_files,
+            tokens_only=self.tokens_only,
         )
 
     def epoch_dataset(

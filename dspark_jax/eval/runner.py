@@ -55,6 +55,7 @@ from dspark_jax.data.verifier import load_verifier_tensors, verifier_model_type
 from dspark_jax.eval import acceptance, calibration, report
 from dspark_jax.eval.slot_statistics import row_statistics
 from dspark_jax.model.draft import ROW_KEYS, DSparkDraftModel, FrozenWeights
+from dspark_jax.verifier import instep
 
 log = logging.getLogger("dspark_jax.eval")
 
@@ -171,6 +172,7 @@ class EvalSettings:
     hidden_states_dtype: str | None = None
     on_missing: str = "raise"
     num_workers: int = 0
+    hidden_states_backend: str = "file"  # "jax": the verifier runs per row (no files)
 
 
 def default_anchor_chunk(draft_vocab_size: int, budget: int = 1 << 23) -> int:
@@ -181,8 +183,19 @@ def default_anchor_chunk(draft_vocab_size: int, budget: int = 1 << 23) -> int:
 class Evaluator:
     """The jitted per-row statistics of one drafter, run over whole datasets."""
 
-    def __init__(self, drafter: Drafter, frozen: FrozenWeights, settings: EvalSettings):
+    def __init__(
+        self,
+        drafter: Drafter,
+        frozen: FrozenWeights,
+        settings: EvalSettings,
+        verifier: tuple[instep.InStepVerifier, dict] | None = None,
+    ):
+        """``verifier``: (in-step verifier, its loaded parameters) for
+        ``--hidden-states-backend jax``: each row's hidden states are computed first."""
         self.cfg = cfg = drafter.cfg
+        self.verifier = verifier
+        if verifier is not None:
+            self._fill = jax.jit(verifier[0].fill)
         self.settings = settings
         dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[settings.dtype]
         abstract = nnx.eval_shape(
@@ -211,7 +224,11 @@ class Evaluator:
         anchors = choose_anchors(eligible, s.num_anchors, rng)
         if anchors.size == 0:
             return None
-        device_row = {k: jnp.asarray(row[k]) for k in ROW_KEYS}
+        if self.verifier is not None:
+            one = {k: jnp.asarray(row[k])[None] for k in ROW_KEYS}
+            device_row = {k: v[0] for k, v in self._fill(self.verifier[1], one).items()}
+        else:
+            device_row = {k: jnp.asarray(row[k]) for k in ROW_KEYS}
         key = jax.random.fold_in(jax.random.key(s.seed), row_index)
         parts = []
         for g, (group, valid) in enumerate(anchor_groups(anchors, s.anchors_per_call)):
@@ -247,8 +264,13 @@ class Evaluator:
                 on_missing=s.on_missing,
                 hidden_states_dtype=s.hidden_states_dtype,
                 aux_hidden_state_layer_ids=cfg.aux_hidden_state_layer_ids,
+                tokens_only=self.verifier is not None,
             )
-        except DataError as e:
+            if self.verifier is not None:
+                instep.check_token_ids(
+                    data.dataset.max_token_id(), self.verifier[0].cfg, str(data_path)
+                )
+        except (DataError, instep.InStepError) as e:
             raise EvalError(f"dataset {name!r}: {e}") from None
         total_rows = data.steps_per_epoch("train", 0)
         limit = total_rows if s.max_rows is None else min(total_rows, s.max_rows)
@@ -347,6 +369,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-states-dtype", default=None,
                    choices=("bfloat16", "float16", "float32"), help="default: as stored")  # fmt: skip
     g.add_argument("--on-missing", default="raise", choices=("raise", "skip", "warn"))
+    g.add_argument(
+        "--hidden-states-backend",
+        default="file",
+        choices=("file", "jax"),
+        help="file: hs_{i}.safetensors; jax: the verifier computes each row's hidden "
+        "states (prepared dataset only)",
+    )
+    g.add_argument(
+        "--verifier-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="--hidden-states-backend jax: the verifier's weights and matmuls",
+    )
     g.add_argument("--max-rows", type=int, default=None, help="evaluate at most this many rows")
     g.add_argument("--num-workers", type=int, default=0, help="Grain reader processes")
 
@@ -442,8 +477,15 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         hidden_states_dtype=args.hidden_states_dtype,
         on_missing=args.on_missing,
         num_workers=args.num_workers,
+        hidden_states_backend=args.hidden_states_backend,
     )
-    evaluator = Evaluator(drafter, frozen, settings)
+    in_step = None
+    if args.hidden_states_backend == instep.BACKEND:
+        if hs:
+            raise EvalError("--hidden-states: --hidden-states-backend jax reads no files")
+        iv = instep.build(str(verifier), cfg, args.verifier_dtype, args.hidden_states_dtype)
+        in_step = (iv, iv.load(None))
+    evaluator = Evaluator(drafter, frozen, settings, in_step)
     has_conf = cfg.enable_confidence_head
     blocks = []
     for name, path in args.dataset:

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from dspark_jax import optim, parallel
 from dspark_jax.model.draft import FrozenWeights
 from dspark_jax.train import compile_target
+from dspark_jax.verifier.weights import param_specs
 
 GIB = 2**30
 COLLECTIVES = (
@@ -160,8 +161,13 @@ def abstract_inputs(trainer, mesh):
         return jax.tree.map(lambda a, s: _shaped(a.shape, a.dtype, s), tree, shardings)
 
     state = {"params": with_sh(abstract, param_sh), "opt": with_sh(opt_abstract, opt_sh)}
+    verifier = getattr(trainer, "instep", None)
+    if verifier is not None:  # --hidden-states-backend jax: its weights are step inputs too
+        vparams = verifier.abstract(mesh)
+        frozen_sh = (frozen_sh, {n: a.sharding for n, a in vparams.items()})
+        frozen = (frozen, vparams)
     r, s = trainer.rows_per_step, args.total_seq_len
-    ht = cfg.verifier_hidden_size
+    ht = cfg.verifier_hidden_size if verifier is None else 0  # tokens-only rows
     hs = jnp.bfloat16 if args.hidden_states_dtype == "bfloat16" else jnp.float32
     batch_shapes = {  # dspark_jax/data/pipeline.py's batch layout
         "hidden_states": ((r, s, cfg.num_aux_layers * ht), hs),
@@ -210,7 +216,8 @@ def compile_steps(trainer) -> CompiledSteps:
     trainer._compile(graphdef, state_sh, frozen_sh)
     train, train_c = _compile("train", trainer.train_step, state, frozen, batch, scalar)
     ev, eval_c = _compile("eval", trainer.eval_step, state["params"], frozen, batch, scalar, scalar)
-    head = _bytes_per_device(frozen.verifier_lm_head)  # the trainer passes one buffer twice
+    heads = frozen if getattr(trainer, "instep", None) is None else frozen[0]
+    head = _bytes_per_device(heads.verifier_lm_head)  # the trainer passes one buffer twice
     opt_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["opt"]))
     for step in (train, ev):
         step.shared = head if step.error is None else 0
@@ -266,9 +273,41 @@ def report_lines(c: CompiledSteps, args) -> list[str]:
     return lines
 
 
+def instep_line(trainer, steps: CompiledSteps) -> str:
+    """--hidden-states-backend jax: the verifier's share of the step (weights per chip,
+    forward FLOPs against the drafter's) and the storage it replaces."""
+    from dspark_jax.train import throughput
+
+    v, args, cfg = trainer.instep, trainer.args, trainer.cfg
+    shards = steps.frozen_shardings[1]
+    weights = sum(
+        _bytes_per_device(jax.ShapeDtypeStruct(s.shape, v.param_dtype, sharding=shards[n]))
+        for n, s in param_specs(v.cfg).items()
+    )
+    rows, seq = trainer.rows_per_step, args.total_seq_len
+    fwd = v.forward_flops(rows, seq)
+    q = args.max_anchors * cfg.block_size
+    drafter = throughput.train_step_flops(
+        cfg, rows=rows, num_anchors=args.max_anchors, seq_len=seq,
+        context=[float(rows * q * seq)] * cfg.num_hidden_layers,
+    )  # fmt: skip
+    slots = len(v.captured)
+    per_token = slots * v.cfg.hidden_size * np.dtype(v.out_dtype).itemsize
+    return (
+        f"in-step verifier ({v.cfg.model_type}, {v.cfg.num_hidden_layers} layers, "
+        f"{np.dtype(v.param_dtype).name} weights {_gib(weights)} per chip): forward <= "
+        f"{fwd / 1e12:.3g} TFLOP per step vs the drafter step's <= {drafter / 1e12:.3g} TFLOP "
+        f"({fwd / (fwd + drafter):.0%} of the step); no hidden-state files: "
+        f"{per_token * seq / 2**20:.3g} MiB per {seq}-token sample not stored"
+    )
+
+
 def compile_report(trainer) -> int:
     """Print the report; 0 if both steps fit, 1 if not."""
     steps = compile_steps(trainer)
-    for line in report_lines(steps, trainer.args):
+    lines = report_lines(steps, trainer.args)
+    if getattr(trainer, "instep", None) is not None:
+        lines.insert(-1, instep_line(trainer, steps))
+    for line in lines:
         print(f"[compile] {line}", flush=True)
     return 0 if steps.fits else 1

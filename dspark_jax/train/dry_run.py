@@ -55,6 +55,11 @@ def _data_report(args: flags.TrainArgs) -> str:
     data = Path(args.data_path)
     if not data.is_dir():
         return f"data: {data} does not exist (yet)"
+    if args.hidden_states_backend == "jax":  # the step computes them; no file is read
+        try:
+            return f"data: {len(PreparedDataset(data))} rows in {data}; hidden states in the step"
+        except (DataError, OSError) as e:
+            return f"data: {data}: {e}"
     try:
         n, missing = missing_hidden_states(args)
     except (DataError, OSError) as e:

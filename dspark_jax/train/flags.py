@@ -140,6 +140,9 @@ FLAGS: tuple[Flag, ...] = (
     # --- verifier
     _f("verifier_name_or_path", "verifier", "",
        help="Local HF folder of the verifier (config.json + safetensors); no network access."),
+    _f("verifier_dtype", "verifier", "bfloat16", choices=("bfloat16", "float32"),
+       help="--hidden-states-backend jax: dtype of the verifier's weights and matmuls "
+       "(its residual stream, norms and softmax are fp32)."),
     _bool("trust_remote_code", "verifier", status=NO_EFFECT,
           help="Accepted for compatibility: dspark_jax reads config.json and tensors only and "
           "never executes model code."),
@@ -191,10 +194,11 @@ FLAGS: tuple[Flag, ...] = (
     # --- data
     _f("data_path", "data", "./output",
        help="Prepared dataset folder (vocab maps, token_freq.pt, hidden_states/)."),
-    _f("hidden_states_backend", "data", "file", choices=("file", "fp8", "mooncake"),
+    _f("hidden_states_backend", "data", "file", choices=("file", "fp8", "mooncake", "jax"),
        help="file / fp8: hs_{i}.safetensors files (bf16 or fp8 + scales), also how "
        "generated samples arrive (shared storage); mooncake: generated samples arrive "
-       "through a Mooncake store and no files are read."),
+       "through a Mooncake store and no files are read; jax: the verifier runs inside the "
+       "step on the training mesh (prepared dataset only, no hidden-state files)."),
     _f("total_seq_len", "data", 8192, int, "Tokens per packed row."),
     _f("train_data_ratio", "data", 0.9, float, "Fraction of rows for training; the rest validate."),
     _f("hidden_states_dtype", "data", "bfloat16",
@@ -745,6 +749,16 @@ def validate(args: TrainArgs) -> None:
             )
     elif args.provided("hidden_states_path"):
         raise ConfigError("--hidden-states-path applies to the file and fp8 backends, not mooncake")
+    if v["hidden_states_backend"] == "jax":
+        if args.provided("hidden_states_path"):
+            raise ConfigError("--hidden-states-path: --hidden-states-backend jax reads no files")
+        if args.provided("on_missing") and v["on_missing"] == "generate":
+            raise ConfigError(
+                "--on-missing generate: --hidden-states-backend jax computes every sample's "
+                "hidden states in the step; nothing is generated"
+            )
+    elif args.provided("verifier_dtype"):
+        raise ConfigError("--verifier-dtype applies to --hidden-states-backend jax only")
     if v["on_missing"] != "generate":
         given = [
             f.flag

@@ -15,7 +15,7 @@ from dspark_jax.train.flags import TrainArgs
 def online_source(args: TrainArgs, store_factory=None) -> OnlineSource | None:
     """The :class:`~dspark_jax.data.online.OnlineSource` of ``--on-missing generate``
     (None otherwise). ``store_factory`` (tests) replaces the Mooncake connection."""
-    if args.on_missing != "generate":
+    if args.on_missing != "generate" or args.hidden_states_backend == "jax":
         return None
     settings = OnlineSettings(
         endpoint=args.vllm_endpoint,
@@ -51,6 +51,11 @@ def online_source(args: TrainArgs, store_factory=None) -> OnlineSource | None:
 
 def online_summary(args: TrainArgs) -> str | None:
     """One line on where hidden states come from, for logs and --dry-run."""
+    if args.hidden_states_backend == "jax":
+        return (
+            f"hidden states: computed in the step by the verifier {args.verifier_name_or_path} "
+            f"(--hidden-states-backend jax, {args.verifier_dtype} weights); no files are read"
+        )
     if args.on_missing != "generate":
         if args.hidden_states_backend == "mooncake":
             return (

@@ -67,6 +67,7 @@ from dspark_jax.train.metrics_log import (
     normalize_counted_metrics,
     step_metrics,
 )
+from dspark_jax.verifier import instep
 
 log = logging.getLogger("dspark_jax.train")
 
@@ -238,6 +239,18 @@ class Trainer:
             vocab_chunk_tokens=args.loss_chunk_tokens,
             anchor_sampling=args.anchor_sampling,
         )
+        # --hidden-states-backend jax: checked now (family, shapes, layer ids), loaded later.
+        self.instep = (
+            instep.build(
+                args.verifier_name_or_path,
+                self.cfg,
+                args.verifier_dtype,
+                args.hidden_states_dtype,
+                check_tensors=not (args.dry_run and args.compile_for),
+            )
+            if args.hidden_states_backend == instep.BACKEND
+            else None
+        )
 
     # ------------------------------------------------------------------ model
     def abstract_state(self):
@@ -305,12 +318,15 @@ class Trainer:
             train_data_ratio=args.train_data_ratio,
             rows_per_process=self.rows_per_step // jax.process_count(),
             seed=args.seed,
-            on_missing=args.on_missing,
+            on_missing="raise" if self.instep is not None else args.on_missing,
             online=online,
             read_files=args.hidden_states_backend != "mooncake",
             hidden_states_dtype=args.hidden_states_dtype,
             aux_hidden_state_layer_ids=cfg.aux_hidden_state_layer_ids,
+            tokens_only=self.instep is not None,
         )
+        if self.instep is not None:
+            instep.check_token_ids(data.dataset.max_token_id(), self.instep.cfg, args.data_path)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -323,8 +339,19 @@ class Trainer:
         settings, tx = self.settings, self.tx
         base_key = jax.random.key(self.args.seed)
 
+        verifier = self.instep
+
+        def with_hidden_states(frozen, batch):
+            """In-step backend: frozen = (FrozenWeights, verifier params); the rows' hidden
+            states are computed first (no gradient reaches the verifier)."""
+            if verifier is None:
+                return frozen, batch
+            frozen, vparams = frozen
+            return frozen, verifier.fill(vparams, batch)
+
         def train_step(state, frozen, batch, step):
             key = jax.random.fold_in(base_key, step)
+            frozen, batch = with_hidden_states(frozen, batch)
 
             def loss_fn(params):
                 with parallel.tracing_mesh(self.mesh):  # the model reads the context split
@@ -339,6 +366,7 @@ class Trainer:
             return {"params": params, "opt": opt}, metrics
 
         def eval_step(params, frozen, batch, epoch, index):
+            frozen, batch = with_hidden_states(frozen, batch)
             key = jax.random.fold_in(
                 jax.random.fold_in(jax.random.fold_in(base_key, VAL_STREAM), epoch), index
             )
@@ -557,6 +585,8 @@ class Trainer:
         opt_sh = parallel.state_shardings(jax.eval_shape(self.tx.init, abstract), self.mesh)
         state_sh = {"params": param_sh, "opt": opt_sh}
         self.frozen = self.load_frozen()
+        if self.instep is not None:  # loaded once, sharded; never in the optimizer state
+            self.frozen = (self.frozen, self.instep.load(self.mesh))
         frozen_sh = jax.tree.map(lambda x: x.sharding, self.frozen)
         self._compile(graphdef, state_sh, frozen_sh)
 

@@ -1,0 +1,134 @@
+"""Causal attention of a packed row, within each document, forward only.
+
+Query t of document d sees key s iff ``document_ids[s] == d``, ``s <= t`` and, on a
+sliding layer with window W, ``s > t - W`` (transformers' ``sliding_window_overlay``:
+W keys including its own). Scores are ``q k^T * scale``, then soft-capped
+(``cap * tanh(x / cap)``) when the layer has a cap, as transformers' eager attention.
+
+``document_causal_attention`` never builds the [S, S] scores: queries are tiled in blocks
+of ``q_block`` rows, keys in chunks of ``kv_chunk`` columns, and each query block runs an
+online softmax over only the chunks it can see (from its earliest visible key, its
+documents' start or its window, to its own last row). Softmax statistics and accumulators
+are fp32; matmul operands stay in q's dtype with fp32 accumulation. No gradient: the
+verifier is frozen. ``dense_document_causal_attention`` is the test oracle.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+_MASKED_MAX = -1e30  # finite running-max start: a chunk with no visible key gives p = 0, not NaN
+
+
+def _dot(eq, a, b, dtype):
+    return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=_F32)
+
+
+def _scores(q, k, scale, softcap, dtype, eq):
+    s = _dot(eq, q, k, dtype) * scale
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    return s
+
+
+def document_starts(document_ids: jax.Array) -> jax.Array:
+    """First position of each position's document, [S] int32 (documents are contiguous runs)."""
+    pos = jnp.arange(document_ids.shape[0], dtype=jnp.int32)
+    is_start = jnp.concatenate([jnp.ones(1, bool), document_ids[1:] != document_ids[:-1]])
+    return lax.cummax(jnp.where(is_start, pos, 0))
+
+
+def document_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    document_ids: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    q_block: int = 128,
+    kv_chunk: int = 512,
+) -> jax.Array:
+    """q [S, Nh, D], k/v [S, Nkv, D], document_ids [S] int (-1 = padding, attends to
+    padding only) -> [S, Nh, D] in q's dtype. GQA: query head h reads kv head h // (Nh/Nkv).
+    Peak temporaries O(q_block * Nh * kv_chunk)."""
+    S, Nh, D = q.shape
+    Nkv = k.shape[1]
+    if k.shape != (S, Nkv, D) or v.shape != k.shape or document_ids.shape != (S,) or Nh % Nkv:
+        raise ValueError(
+            f"bad shapes: q {q.shape}, k {k.shape}, v {v.shape}, document_ids {document_ids.shape}"
+        )
+    R, Bq, C = Nh // Nkv, min(q_block, S), min(kv_chunk, S)
+    n_q, n_kv = -(-S // Bq), -(-S // C)
+    pad_q, pad_kv = n_q * Bq - S, n_kv * C - S
+    doc = document_ids.astype(jnp.int32)
+    start = document_starts(doc)
+    if sliding_window is not None:
+        start = jnp.maximum(start, jnp.arange(S, dtype=jnp.int32) - (sliding_window - 1))
+    # Padded query rows get an empty-free range (they see their own padded block only).
+    start_q = jnp.pad(start, (0, pad_q), constant_values=S).reshape(n_q, Bq)
+    first = start_q.min(axis=1) // C
+    last = jnp.minimum((jnp.arange(n_q) + 1) * Bq - 1, S - 1) // C + 1
+    ranges = jnp.stack([jnp.minimum(first, last - 1), last], axis=-1).astype(jnp.int32)
+
+    qg = jnp.pad(q, ((0, pad_q), (0, 0), (0, 0))).reshape(n_q, Bq, Nkv, R, D)
+    pos_q = jnp.arange(n_q * Bq, dtype=jnp.int32).reshape(n_q, Bq)
+    doc_q = jnp.pad(doc, (0, pad_q), constant_values=-2).reshape(n_q, Bq)
+    kp, vp = (jnp.pad(x, ((0, pad_kv), (0, 0), (0, 0))) for x in (k, v))
+    doc_k = jnp.pad(doc, (0, pad_kv), constant_values=-3)
+    cd = q.dtype
+
+    def block(xs):
+        qb, pq, dq, rng = xs  # [Bq, Nkv, R, D], [Bq], [Bq], [2]
+
+        def body(i, carry):
+            m, l, acc = carry
+            kc, vc, dk = (lax.dynamic_slice_in_dim(x, i * C, C) for x in (kp, vp, doc_k))
+            pk = i * C + jnp.arange(C, dtype=jnp.int32)
+            vis = (dk[None] == dq[:, None]) & (pk[None] <= pq[:, None])
+            if sliding_window is not None:
+                vis &= pk[None] > pq[:, None] - sliding_window
+            s = _scores(qb, kc, scale, softcap, cd, "bkrd,ckd->bkrc")
+            s = jnp.where(vis[:, None, None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            return (
+                m_new,
+                alpha * l + p.sum(-1),
+                alpha[..., None] * acc + _dot("bkrc,ckd->bkrd", p, vc, cd),
+            )
+
+        init = (
+            jnp.full(qb.shape[:-1], _MASKED_MAX, _F32),
+            jnp.zeros(qb.shape[:-1], _F32),
+            jnp.zeros(qb.shape, _F32),
+        )
+        m, l, acc = lax.fori_loop(rng[0], rng[1], body, init)
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]  # l = 0 only on padded query rows
+
+    out = lax.map(block, (qg, pos_q, doc_q, ranges))
+    return out.reshape(n_q * Bq, Nh, D)[:S].astype(q.dtype)
+
+
+def dense_document_causal_attention(
+    q, k, v, document_ids, *, scale, sliding_window=None, softcap=None
+) -> jax.Array:
+    """Test oracle: the full [S, S] mask and an fp32 softmax (transformers' eager order)."""
+    S = q.shape[0]
+    i, j = jnp.arange(S)[:, None], jnp.arange(S)[None]
+    mask = (document_ids[:, None] == document_ids[None]) & (j <= i)
+    if sliding_window is not None:
+        mask &= j > i - sliding_window
+    rep = q.shape[1] // k.shape[1]
+    kk = jnp.repeat(k.astype(_F32), rep, axis=1)
+    vv = jnp.repeat(v.astype(_F32), rep, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q.astype(_F32), kk) * scale
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", p, vv).astype(q.dtype)

@@ -1,0 +1,271 @@
+"""The verifier's architecture, read from its HF ``config.json`` (docs/design.md, "In-step
+verifier").
+
+One frozen dataclass describes every supported family; the differences between families
+are fields (norm style, extra norms, q/k norms, biases, activation, embedding scale,
+attention scale and soft-capping, per-layer sliding windows and RoPE, experts), so the
+forward in :mod:`dspark_jax.verifier.forward` has no per-family branches. Any other
+``model_type`` is refused before a tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from dspark_jax.config import RopeScaling
+
+# model_type -> family. Gemma 3's text checkpoints say gemma3_text; "gemma3" is the
+# multimodal wrapper and is refused with the other multimodal types.
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "qwen3_moe": "llama",
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
+}
+SUPPORTED = tuple(FAMILIES)
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+class UnsupportedVerifierError(ValueError):
+    """The verifier's family (or a setting of it) has no in-step forward."""
+
+
+class RopeView(NamedTuple):
+    """What :func:`dspark_jax.model.layers.rope_tables` reads from a config."""
+
+    rope_scaling: RopeScaling
+    rope_theta: float
+    head_dim: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    gemma_norms: bool  # x * (1 + w) norms, pre/post feed-forward norms, scaled embedding
+    qk_norm: bool  # q_norm / k_norm over head_dim (Qwen3, Gemma 3)
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    query_scale: float  # scores = q k^T * query_scale
+    attn_softcap: float | None
+    final_softcap: float | None  # logits only: not part of any hidden state
+    layer_windows: tuple[int | None, ...]  # keys q - W < k <= q on sliding layers
+    layer_rope: tuple[str, ...]  # key into ropes, per layer
+    ropes: tuple[tuple[str, RopeView], ...]
+    # Qwen3-MoE
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    layer_moe: tuple[bool, ...] = ()
+
+    @property
+    def embed_scale(self) -> float | None:
+        """Gemma multiplies the embedding by sqrt(hidden_size) (in the weights' dtype)."""
+        return math.sqrt(self.hidden_size) if self.gemma_norms else None
+
+    def rope(self, layer: int) -> RopeView:
+        return dict(self.ropes)[self.layer_rope[layer]]
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.layer_moe) and self.layer_moe[layer]
+
+    def check_layer_ids(self, layer_ids, where: str = "--target-layer-ids") -> tuple[int, ...]:
+        """Ascending, unique ids in [0, N] (id k: the residual stream after k layers)."""
+        ids = tuple(sorted({int(i) for i in layer_ids}))
+        n = self.num_hidden_layers
+        bad = [i for i in ids if not 0 <= i <= n]
+        if bad or not ids:
+            raise ValueError(
+                f"{where}: layer ids {list(layer_ids)} must lie in [0, {n}] "
+                f"(the verifier has {n} layers; id k = the output of k layers)"
+            )
+        return ids
+
+
+def read_config_dict(folder: str | os.PathLike) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no config.json in the verifier folder") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def check_supported(d: dict[str, Any], where: str = "config.json") -> str:
+    """The model_type, or a one-line refusal naming it and the supported list."""
+    mt = d.get("model_type")
+    if mt not in FAMILIES:
+        raise UnsupportedVerifierError(
+            f"{where}: model_type {mt!r} has no in-step verifier forward; supported: "
+            f"{', '.join(SUPPORTED)} (use --hidden-states-backend files/online for others)"
+        )
+    return mt
+
+
+def _rope_view(params: dict | None, theta: float | None, hd: int, max_pos: int, where: str):
+    params = dict(params or {})
+    theta = params.pop("rope_theta", theta)
+    if theta is None:
+        raise ValueError(f"{where}: no rope_theta")
+    try:
+        scaling = RopeScaling.from_dict(params)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    prf = scaling.get("partial_rotary_factor", 1.0)
+    if prf != 1.0 and scaling.rope_type != "proportional":
+        raise UnsupportedVerifierError(f"{where}: partial_rotary_factor {prf} is not supported")
+    if scaling.get("mrope_section") is not None:
+        raise UnsupportedVerifierError(f"{where}: mrope_section (multimodal RoPE) is not supported")
+    return RopeView(scaling, float(theta), hd, int(max_pos))
+
+
+def _layer_types(d: dict, mt: str, n: int) -> list[str]:
+    """transformers 5.19's defaults when config.json predates ``layer_types``."""
+    if d.get("layer_types") is not None:
+        return list(d["layer_types"])
+    window = d.get("sliding_window")
+    if mt == "gemma2":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if mt == "gemma3_text":
+        pattern = d.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if mt == "mistral":
+        return ["sliding_attention" if window else "full_attention"] * n
+    if mt in ("qwen2", "qwen3", "qwen3_moe"):
+        on = bool(d.get("use_sliding_window")) and window is not None
+        first = d.get("max_window_layers", 28) if mt != "qwen3_moe" else 0
+        return ["sliding_attention" if on and i >= first else "full_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierConfig:
+    """A checked VerifierConfig from a config.json dict (refuses unsupported families)."""
+    mt = check_supported(d, where)
+    gemma = FAMILIES[mt] == "gemma"
+
+    def need(key: str, default: Any = None):
+        v = d.get(key, default)
+        if v is None:
+            raise ValueError(f"{where}: missing field {key!r}")
+        return v
+
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedVerifierError(f"{where}: use_bidirectional_attention is not causal")
+    h, nh = int(need("hidden_size")), int(need("num_attention_heads"))
+    n = int(need("num_hidden_layers"))
+    nkv = int(d.get("num_key_value_heads") or nh)
+    hd = int(d.get("head_dim") or h // nh)
+    max_pos = int(need("max_position_embeddings"))
+    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if act == "gelu_pytorch_tanh" or (gemma and act in ("gelu", "gelu_new")):
+        act = "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise UnsupportedVerifierError(f"{where}: hidden_act {act!r}; supported {ACTIVATIONS}")
+    if nh % nkv:
+        raise ValueError(f"{where}: num_attention_heads {nh} % num_key_value_heads {nkv} != 0")
+
+    types = _layer_types(d, mt, n)
+    if len(types) != n or any(t not in ATTENTION_TYPES for t in types):
+        raise ValueError(f"{where}: layer_types {types} must be {n} of {ATTENTION_TYPES}")
+    window = d.get("sliding_window")
+    if "sliding_attention" in types and not window:
+        raise ValueError(f"{where}: sliding_attention layers need a sliding_window")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+    rp = d.get("rope_parameters")
+    if mt == "gemma3_text":
+        rp = dict(rp or {})
+        full = dict(rp.get("full_attention") or {"rope_type": "default"})
+        if d.get("rope_scaling"):
+            full.update(d["rope_scaling"])
+        full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+        local = dict(rp.get("sliding_attention") or {"rope_type": "default"})
+        local.setdefault("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+        ropes = (
+            ("full_attention", _rope_view(full, None, hd, max_pos, f"{where} rope (full)")),
+            ("sliding_attention", _rope_view(local, None, hd, max_pos, f"{where} rope (sliding)")),
+        )
+        layer_rope = tuple(types)
+    else:
+        params = rp if rp is not None else (d.get("rope_scaling") or {})
+        theta = d.get("rope_theta", 10_000.0)
+        ropes = (("all", _rope_view(params, theta, hd, max_pos, f"{where} rope_parameters")),)
+        layer_rope = ("all",) * n
+
+    qkv_bias = {"qwen2": True, "qwen3_moe": bool(d.get("attention_bias"))}.get(
+        mt, bool(d.get("attention_bias"))
+    )
+    o_bias = False if mt == "qwen2" else qkv_bias
+    moe = {}
+    if mt == "qwen3_moe":
+        e = int(d.get("num_experts") or need("num_local_experts"))  # 5.19 saves the latter
+        step = int(d.get("decoder_sparse_step", 1))
+        dense_layers = set(d.get("mlp_only_layers") or [])
+        moe = dict(
+            num_experts=e,
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            layer_moe=tuple(
+                i not in dense_layers and e > 0 and (i + 1) % step == 0 for i in range(n)
+            ),
+        )
+    if mt == "gemma3_text" and d.get("attn_logit_softcapping") is not None:
+        # transformers 5.19's Gemma 3 attention never applies it (Gemma 2's does), so the
+        # reference forward and ours would disagree on what the checkpoint means.
+        raise UnsupportedVerifierError(
+            f"{where}: attn_logit_softcapping on gemma3_text is ignored by transformers' "
+            "Gemma 3; set it to null (the released Gemma 3 configs do)"
+        )
+    scalar = d.get("query_pre_attn_scalar") if gemma else None
+    return VerifierConfig(
+        model_type=mt,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=h,
+        num_hidden_layers=n,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=hd,
+        intermediate_size=int(need("intermediate_size")),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        hidden_act=act,
+        gemma_norms=gemma,
+        qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)) and mt == "llama",
+        query_scale=float(scalar) ** -0.5 if scalar else hd**-0.5,
+        attn_softcap=d.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=d.get("final_logit_softcapping") if gemma else None,
+        layer_windows=windows,
+        layer_rope=layer_rope,
+        ropes=ropes,
+        **moe,
+    )
+
+
+def load_verifier_config(folder: str | os.PathLike) -> VerifierConfig:
+    """The VerifierConfig of an HF folder; refuses unsupported families first."""
+    path = Path(folder) / "config.json"
+    return verifier_config(read_config_dict(folder), str(path))

@@ -1,0 +1,254 @@
+"""The verifier's parameters: names, shapes, logical axes, and loading from safetensors.
+
+Parameters are a flat dict ``{name: array}``; ``name`` is the HF key without the model
+prefix (``layers.3.self_attn.q_proj.weight``) and the layout is torch's (``[out, in]``),
+so nothing is transposed on load. Qwen3-MoE experts are stacked per layer as
+transformers 5 fuses them: ``layers.i.mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows
+first) and ``layers.i.mlp.experts.down_proj`` [E, H, I]; Hub checkpoints that store one
+tensor per expert (``experts.{e}.gate_proj.weight``) are stacked while reading.
+
+:func:`load_params` reads only what each device holds: every parameter is built with
+``jax.make_array_from_callback`` whose callback slices a memory-mapped safetensors tensor,
+so a process touches the bytes of its own shards only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from dspark_jax.data.files import DataError, SafetensorsFile
+from dspark_jax.parallel import logical_spec
+from dspark_jax.verifier.config import VerifierConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class VerifierCheckpointError(DataError):
+    """A verifier tensor is missing or has the wrong shape."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis names (dspark_jax.parallel.LOGICAL_RULES)
+
+
+def param_specs(cfg: VerifierConfig) -> dict[str, ParamSpec]:
+    """Every parameter the forward reads, in torch layout."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    specs = {"embed_tokens.weight": ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        layer = {
+            a + "q_proj.weight": ((nq, h), ("heads", "embed")),
+            a + "k_proj.weight": ((nkv, h), ("kv_heads", "embed")),
+            a + "v_proj.weight": ((nkv, h), ("kv_heads", "embed")),
+            a + "o_proj.weight": ((h, nq), ("embed", "heads")),
+            p + "input_layernorm.weight": ((h,), ("norm",)),
+            p + "post_attention_layernorm.weight": ((h,), ("norm",)),
+        }
+        if cfg.qkv_bias:
+            layer[a + "q_proj.bias"] = ((nq,), ("heads",))
+            layer[a + "k_proj.bias"] = ((nkv,), ("kv_heads",))
+            layer[a + "v_proj.bias"] = ((nkv,), ("kv_heads",))
+        if cfg.o_bias:
+            layer[a + "o_proj.bias"] = ((h,), ("norm",))
+        if cfg.qk_norm:
+            layer[a + "q_norm.weight"] = ((d,), ("norm",))
+            layer[a + "k_norm.weight"] = ((d,), ("norm",))
+        if cfg.gemma_norms:
+            layer[p + "pre_feedforward_layernorm.weight"] = ((h,), ("norm",))
+            layer[p + "post_feedforward_layernorm.weight"] = ((h,), ("norm",))
+        m = p + "mlp."
+        if cfg.is_moe(i):
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            layer[m + "gate.weight"] = ((e, h), (None, "embed"))
+            layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, h), (None, "mlp", "embed"))
+            layer[m + "experts.down_proj"] = ((e, h, mi), (None, "embed", "mlp"))
+        else:
+            inter = cfg.intermediate_size
+            layer[m + "gate_proj.weight"] = ((inter, h), ("mlp", "embed"))
+            layer[m + "up_proj.weight"] = ((inter, h), ("mlp", "embed"))
+            layer[m + "down_proj.weight"] = ((h, inter), ("embed", "mlp"))
+            if cfg.mlp_bias:
+                layer[m + "gate_proj.bias"] = ((inter,), ("mlp",))
+                layer[m + "up_proj.bias"] = ((inter,), ("mlp",))
+                layer[m + "down_proj.bias"] = ((h,), ("norm",))
+        specs.update({k: ParamSpec(*v) for k, v in layer.items()})
+    return specs
+
+
+# ------------------------------------------------------------------------------- reading
+
+
+class Checkpoint:
+    """The safetensors of a verifier folder: key -> shard, tensors opened lazily."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        if index.exists():
+            try:
+                self.weight_map = dict(json.loads(index.read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise VerifierCheckpointError(f"{index}: no valid weight_map ({e})") from None
+        elif (self.folder / SINGLE_FILE).exists():
+            keys = SafetensorsFile(self.folder / SINGLE_FILE).keys()
+            self.weight_map = dict.fromkeys(keys, SINGLE_FILE)
+        else:
+            raise VerifierCheckpointError(
+                f"{self.folder}: neither {INDEX_FILE} nor {SINGLE_FILE} found"
+            )
+        self._files: dict[str, SafetensorsFile] = {}
+        self.prefix = self._prefix()
+
+    def _prefix(self) -> str:
+        """The text model's key prefix: what precedes ``embed_tokens.weight`` (shortest)."""
+        found = [
+            k
+            for k in self.weight_map
+            if k == "embed_tokens.weight" or k.endswith(".embed_tokens.weight")
+        ]
+        if not found:
+            raise VerifierCheckpointError(f"{self.folder}: no tensor named *embed_tokens.weight")
+        return min(found, key=len)[: -len("embed_tokens.weight")]
+
+    def __contains__(self, name: str) -> bool:
+        return self.prefix + name in self.weight_map
+
+    def file(self, name: str) -> tuple[SafetensorsFile, str]:
+        key = self.prefix + name
+        shard = self.weight_map[key]
+        if shard not in self._files:
+            path = self.folder / shard
+            if not path.exists():
+                raise VerifierCheckpointError(
+                    f"{self.folder}: {key} is mapped to {shard}, which does not exist"
+                )
+            self._files[shard] = SafetensorsFile(path)
+        f = self._files[shard]
+        if key not in f:
+            raise VerifierCheckpointError(f"{f.path}: index lists {key}, the file does not have it")
+        return f, key
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        f, key = self.file(name)
+        return tuple(f.info(key).shape)
+
+    def view(self, name: str) -> np.ndarray:
+        f, key = self.file(name)
+        return f.view(key)
+
+
+Reader = Callable[[tuple[slice, ...]], np.ndarray]
+
+
+def _expert_reader(ckpt: Checkpoint, name: str, spec: ParamSpec) -> Reader:
+    """Stacked experts from per-expert tensors (``experts.{e}.gate_proj.weight`` ...)."""
+    base = name.rsplit("experts.", 1)[0] + "experts."
+    parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+    e_count, rows = spec.shape[0], spec.shape[1] // len(parts)
+    for e in range(e_count):
+        for part in parts:
+            key = f"{base}{e}.{part}.weight"
+            if key not in ckpt:
+                raise VerifierCheckpointError(
+                    f"{ckpt.folder}: no tensor {ckpt.prefix}{name} nor {ckpt.prefix}{key}"
+                )
+            want = (rows, spec.shape[2])
+            if ckpt.shape(key) != want:
+                raise VerifierCheckpointError(
+                    f"{ckpt.folder}: {ckpt.prefix}{key} has shape {ckpt.shape(key)}, "
+                    f"config.json implies {want}"
+                )
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        es, rs, cs = index
+        out = []
+        for e in range(*es.indices(e_count)):
+            full = np.concatenate([ckpt.view(f"{base}{e}.{p}.weight") for p in parts])
+            out.append(np.asarray(full[rs, cs]))
+        return np.stack(out)
+
+    return read
+
+
+def readers(ckpt: Checkpoint, cfg: VerifierConfig) -> dict[str, tuple[ParamSpec, Reader]]:
+    """A slice reader per parameter, after checking every tensor exists with its shape."""
+    out = {}
+    for name, spec in param_specs(cfg).items():
+        if name not in ckpt and ".experts." in name:
+            out[name] = (spec, _expert_reader(ckpt, name, spec))
+            continue
+        if name not in ckpt:
+            raise VerifierCheckpointError(
+                f"{ckpt.folder}: missing tensor {ckpt.prefix}{name} (config.json: "
+                f"{cfg.model_type}, {cfg.num_hidden_layers} layers)"
+            )
+        got = ckpt.shape(name)
+        if got != spec.shape:
+            raise VerifierCheckpointError(
+                f"{ckpt.folder}: {ckpt.prefix}{name} has shape {got}, config.json implies "
+                f"{spec.shape}"
+            )
+        out[name] = (spec, lambda index, n=name: np.asarray(ckpt.view(n)[index]))
+    return out
+
+
+def param_shardings(cfg: VerifierConfig, mesh: jax.sharding.Mesh) -> dict[str, NamedSharding]:
+    """Each parameter's sharding by the trainer's logical-axis rules."""
+    return {
+        name: NamedSharding(mesh, logical_spec(spec.axes, spec.shape, mesh))
+        for name, spec in param_specs(cfg).items()
+    }
+
+
+def load_params(
+    folder: str | os.PathLike,
+    cfg: VerifierConfig,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype=jnp.bfloat16,
+) -> dict[str, jax.Array]:
+    """The verifier's parameters in ``dtype``, sharded over ``mesh`` (one device when None).
+
+    Every tensor is checked (present, shape) before any is read; each device's shard is
+    read from the memory-mapped file by its own callback.
+    """
+    ckpt = Checkpoint(folder)
+    table = readers(ckpt, cfg)
+    if mesh is None:
+        shardings = {n: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for n in table}
+    else:
+        shardings = param_shardings(cfg, mesh)
+    np_dtype = np.dtype(dtype)
+    return {
+        name: jax.make_array_from_callback(
+            spec.shape, shardings[name], lambda index, r=read: r(index).astype(np_dtype)
+        )
+        for name, (spec, read) in table.items()
+    }
+
+
+def params_from_numpy(tensors: dict[str, np.ndarray], cfg: VerifierConfig, dtype=jnp.float32):
+    """Parameters from in-memory torch-layout arrays keyed like :func:`param_specs` (tests)."""
+    out = {}
+    for name, spec in param_specs(cfg).items():
+        if name not in tensors:
+            raise KeyError(f"missing tensor {name!r}")
+        a = np.asarray(tensors[name])
+        if a.shape != spec.shape:
+            raise ValueError(f"{name}: shape {a.shape}, expected {spec.shape}")
+        out[name] = jnp.asarray(a, dtype)
+    return out

@@ -1,0 +1,51 @@
+"""Round-off bounds of the verifier forward (tests/numerics.py's backward-error model).
+
+For slot (t, j) and a fixed vector c, L = <c, h[t, j]>. Each fp32 evaluation of the
+forward equals the exact forward of parameters perturbed by <= depth_j * U relatively,
+depth_j the longest chain of roundings up to layer id j, so two evaluations differ by at
+most 2 * depth_j * U * sum_p |dL/dp| |p| (first order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.verifier import hidden_states
+
+
+def chain_depth(cfg, layer_id: int, seq: int) -> int:
+    """Longest rounding chain up to layer id ``layer_id`` (fp32 roundings; each
+    transcendental, rsqrt, exp, tanh, cos/sin, silu/gelu, counted as 4)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per = h + h + d + seq + seq + cfg.num_attention_heads * d + h + h + cfg.intermediate_size
+    per += 2 * h if cfg.gemma_norms else 0
+    per += (d if cfg.qk_norm else 0) + 4 * 6
+    if cfg.num_experts:
+        per += h + cfg.num_experts + 2 * cfg.num_experts_per_tok + cfg.moe_intermediate_size
+    return 8 + layer_id * per
+
+
+def projection_sensitivity(params, cfg, ids, pos, doc, layer_ids, c) -> np.ndarray:
+    """sum_p |dL_tj/dp| |p| for every slot (t, j) of the row, [S, len(layer_ids)] float64;
+    L_tj = <c[t, j], h[t, j]>. Gradients of our forward with the dense oracle attention
+    (differentiable), one compile."""
+    ids, pos, doc = map(jnp.asarray, (ids, pos, doc))
+    c = jnp.asarray(c, jnp.float32)
+    S, n = ids.shape[0], len(layer_ids)
+
+    def proj(p, t, j):
+        h = hidden_states(p, cfg, ids, pos, doc, tuple(layer_ids), dense_attention=True)
+        return jnp.vdot(c[t, j], h[t, j])
+
+    def sens(t, j):
+        g = jax.grad(proj)(params, t, j)
+        return sum(jnp.sum(jnp.abs(g[k]) * jnp.abs(params[k])) for k in params)
+
+    tj = np.stack(np.meshgrid(np.arange(S), np.arange(n), indexing="ij"), -1).reshape(-1, 2)
+    # lax.map, not vmap: lax.ragged_dot (Qwen3-MoE experts) cannot batch its weights
+    out = jax.jit(lambda t, j: jax.lax.map(lambda a: sens(*a), (t, j)))(
+        jnp.asarray(tj[:, 0]), jnp.asarray(tj[:, 1])
+    )
+    return np.asarray(out, np.float64).reshape(S, n)

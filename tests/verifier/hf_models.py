@@ -1,0 +1,170 @@
+"""Tiny random HF verifiers of every supported family, built locally (no download), and
+their hidden states as the extractor hooks them (layer id k = output of k layers, N
+before the final norm)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+# name -> (model_type, extra config). Windows of 4 keys and documents of 10-14 tokens make
+# every sliding layer differ from a full one.
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "llama_linear": (
+        "llama",
+        dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    ),
+    "llama_dynamic": (
+        "llama",
+        # max_position_embeddings 12 < the 14-token document: dynamic NTK kicks in for it only
+        dict(
+            max_position_embeddings=12,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+    ),
+    "llama_yarn": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 10000.0,
+            }
+        ),
+    ),
+    "llama3": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "rope_theta": 500000.0,
+            }
+        ),
+    ),
+    "llama_longrope": (
+        "llama",
+        dict(
+            max_position_embeddings=48,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2, 1.5, 2.0],
+                "long_factor": [1.5, 2.0, 3.0, 4.0],
+                "original_max_position_embeddings": 12,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    "mistral": ("mistral", dict(sliding_window=4)),
+    "qwen2": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
+    "qwen3": ("qwen3", dict()),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "gemma2": (
+        "gemma2",
+        dict(
+            sliding_window=4,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=None,  # transformers' Gemma 3 ignores it (config.py)
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+}
+
+
+def build(name: str, folder, seed: int = 0):
+    """Save a random model of family ``name`` to ``folder``; returns the torch model (fp32,
+    eager attention, which applies soft-capping)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = FAMILIES[name]
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    gemma = model_type.startswith("gemma")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.ndim >= 2:  # O(1) activations through every layer
+                p.copy_(r / p.shape[-1] ** 0.5 if "embed" not in pname else r)
+            elif "norm" in pname:  # far from the init so a flipped norm style shows
+                p.copy_((0.0 if gemma else 1.0) + 0.3 * r)
+            else:
+                p.copy_(0.3 * r)
+    model.save_pretrained(folder)
+    return model
+
+
+@torch.no_grad()
+def hf_hidden_states(model, input_ids, layer_ids) -> np.ndarray:
+    """One document's forward -> [T, len(layer_ids), H] fp32, hooked like launch/hf_extract."""
+    layers = model.model.layers
+    store = {}
+    handles = []
+    for k in layer_ids:
+        if k == 0:
+            handles.append(
+                layers[0].register_forward_pre_hook(
+                    lambda _m, a, kw, k=k: store.__setitem__(k, a[0] if a else kw["hidden_states"]),
+                    with_kwargs=True,
+                )
+            )
+        else:
+            handles.append(
+                layers[k - 1].register_forward_hook(
+                    lambda _m, _a, out, k=k: store.__setitem__(
+                        k, out[0] if isinstance(out, (tuple, list)) else out
+                    )
+                )
+            )
+    try:
+        model.model(input_ids=torch.as_tensor(input_ids)[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack([store[k][0] for k in layer_ids], dim=1).float().numpy()

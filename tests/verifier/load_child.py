@@ -1,0 +1,63 @@
+"""One of two processes loading a verifier over a 2x2 (fsdp, tensor) mesh of 4 CPU devices
+(2 per process). Prints ``ok <reads>`` when every addressable shard equals the file's slice
+and the process read exactly its own shards' slices (nothing else)."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+from dspark_jax import parallel
+from dspark_jax.verifier import load_verifier_config, weights
+
+
+def main(folder: str, port: str, pid: str) -> None:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
+    cfg = load_verifier_config(folder)
+    mesh = parallel.make_mesh("fsdp=2,tensor=2")
+    reads: dict[str, list] = {}
+    real = weights.readers
+
+    def recording(ckpt, c):
+        table = real(ckpt, c)
+
+        def wrap(name, read):
+            def r(index):
+                reads.setdefault(name, []).append(index)
+                return read(index)
+
+            return r
+
+        return {n: (spec, wrap(n, read)) for n, (spec, read) in table.items()}
+
+    weights.readers = recording
+    params = weights.load_params(folder, cfg, mesh, np.float32)
+    from safetensors.numpy import load_file
+
+    full = {
+        k.removeprefix("model."): v for k, v in load_file(f"{folder}/model.safetensors").items()
+    }
+    sharded = 0
+    for name, arr in params.items():
+        own = {tuple((s.start, s.stop) for s in sh.index) for sh in arr.addressable_shards}
+        got = {
+            tuple(s.indices(d)[:2] for s, d in zip(ix, arr.shape, strict=True))
+            for ix in reads[name]
+        }
+        norm = {
+            tuple((a or 0, d if b is None else b) for (a, b), d in zip(t, arr.shape, strict=True))
+            for t in own
+        }
+        assert got == norm, (name, got, norm)
+        for sh in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(sh.data), full[name][sh.index])
+        sharded += len(norm) < 2 or any(
+            (b - a) < d for (a, b), d in zip(next(iter(norm)), arr.shape, strict=True)
+        )
+    print(f"ok {sum(len(v) for v in reads.values())} reads, {sharded} params", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

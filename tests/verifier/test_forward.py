@@ -1,0 +1,202 @@
+"""The JAX verifier against transformers 5.19 (eager attention, fp32), family by family.
+
+Each family is a tiny random model saved locally; a packed row of two documents and
+padding runs through our forward (blocked attention with several query blocks and key
+chunks) and each document through HF on its own, hooked as launch/hf_extract does (layer
+id k = output of k layers, N before the final norm). So one comparison checks the family's
+arithmetic, the packing (no attention across documents, positions restarting) and the
+layout.
+
+Tolerance (tests/numerics.py's backward-error model). For slot (t, j) we compare the
+projection L = <c, h[t, j]> with c ~ N(0, 1) fixed. Each fp32 evaluation is the exact
+forward of parameters perturbed by <= depth_j * U relatively, depth_j the longest chain
+of roundings up to layer id j (``chain_depth``), so the two differ by at most
+2 * depth_j * U * sum_p |dL/dp| |p| (first order; the gradient comes from our forward with
+the dense oracle attention, which is differentiable). Planted bugs move L by O(1e-1..1),
+orders of magnitude above these bounds (~1e-5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.config import RopeScaling
+from dspark_jax.model.layers import rms_norm
+from dspark_jax.verifier import forward as fwd
+from dspark_jax.verifier import hidden_states, load_params, load_verifier_config
+from dspark_jax.verifier.config import RopeView
+from tests.numerics import BF16_U, U
+from tests.verifier.bounds import chain_depth, projection_sensitivity
+from tests.verifier.hf_models import FAMILIES, build, hf_hidden_states
+
+LAYER_IDS = (0, 1, 2, 3)  # embedding, every layer, the last one pre-norm
+DOC_LENGTHS = (10, 14)
+PAD = 4
+BLOCKS = dict(q_block=8, kv_chunk=8)  # 4 query blocks, 4 key chunks: ranges are exercised
+
+
+def packed_row():
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 64, n) for n in DOC_LENGTHS]
+    ids = np.concatenate([*docs, np.zeros(PAD, np.int64)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in DOC_LENGTHS] + [np.arange(PAD)]).astype(np.int32)
+    doc = np.concatenate(
+        [np.full(n, i) for i, n in enumerate(DOC_LENGTHS)] + [np.full(PAD, -1)]
+    ).astype(np.int32)
+    return docs, ids, pos, doc
+
+
+class Case:
+    """One family: HF reference, our params, the projection bound (computed once)."""
+
+    def __init__(self, name, folder):
+        self.name = name
+        model = build(name, folder)
+        self.folder = folder
+        self.cfg = load_verifier_config(folder)
+        self.params = load_params(folder, self.cfg, dtype=jnp.float32)
+        self.docs, self.ids, self.pos, self.doc = packed_row()
+        ref = np.concatenate([hf_hidden_states(model, d, LAYER_IDS) for d in self.docs])
+        self.n = ref.shape[0]
+        self.ref = ref
+        self.c = np.random.default_rng(2).standard_normal(ref.shape).astype(np.float32)
+        self.sens = self._sensitivity()
+        depth = np.array([chain_depth(self.cfg, k, max(DOC_LENGTHS)) for k in LAYER_IDS])
+        self.bound = 2 * depth[None] * U * self.sens
+
+    def run(self, cfg=None, params=None, **kw):
+        cfg = cfg or self.cfg
+        f = jax.jit(
+            lambda p, a, b, c: hidden_states(p, cfg, a, b, c, LAYER_IDS, **{**BLOCKS, **kw})
+        )
+        out = f(self.params if params is None else params, self.ids, self.pos, self.doc)
+        return np.asarray(out.astype(jnp.float32))[: self.n]
+
+    def _sensitivity(self):
+        c = np.zeros((len(self.ids), *self.c.shape[1:]), np.float32)
+        c[: self.n] = self.c  # padding rows are not compared
+        return projection_sensitivity(
+            self.params, self.cfg, self.ids, self.pos, self.doc, LAYER_IDS, c
+        )[: self.n]
+
+    def check(self, got, bound=None, what=""):
+        """|<c, got> - <c, ref>| <= bound per slot; returns the worst ratio."""
+        got_p = np.einsum("tjh,tjh->tj", self.c.astype(np.float64), got.astype(np.float64))
+        ref_p = np.einsum("tjh,tjh->tj", self.c.astype(np.float64), self.ref.astype(np.float64))
+        bound = self.bound if bound is None else bound
+        ratio = np.abs(got_p - ref_p) / bound
+        assert ratio.max() <= 1.0, (
+            f"{self.name}{what}: projection off by {ratio.max():.3g} x its bound at slot "
+            f"{np.unravel_index(ratio.argmax(), ratio.shape)}"
+        )
+        print(f"{self.name}{what}: worst |diff| / bound {ratio.max():.3g}")
+        return ratio.max()
+
+
+_CASES: dict[str, Case] = {}
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    def get(name):
+        if name not in _CASES:
+            _CASES[name] = Case(name, tmp_path_factory.mktemp(name))
+        return _CASES[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_matches_hf_fp32(case, name):
+    c = case(name)
+    got = c.run()
+    assert got.shape == c.ref.shape
+    c.check(got)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3_moe"])
+def test_bf16_within_bf16_rounding(case, name):
+    """bf16 parameters and matmul operands (fp32 residual), bf16 output. Against HF fp32:
+    every bf16 rounding on the chain (weights, both operands of every matmul, the
+    probabilities, the output) is one more relative perturbation <= BF16_U, 18 per layer
+    plus embedding and output, on top of the fp32 bound."""
+    c = case(name)
+    p16 = {k: v.astype(jnp.bfloat16) for k, v in c.params.items()}
+    got = c.run(params=p16)
+    assert c.run(params=p16, out_dtype=jnp.bfloat16).dtype == np.float32  # run() upcasts
+    k16 = np.array([2 + 18 * k for k in LAYER_IDS], np.float64)
+    bound = c.bound + k16[None] * BF16_U * c.sens
+    c.check(got, bound, " (bf16)")
+
+
+def test_blocked_equals_dense_oracle(case):
+    c = case("mistral")  # sliding window on every layer
+    dense = c.run(dense_attention=True)
+    c.check(dense, what=" (dense oracle)")
+    # the blocked and the dense forward differ only in the softmax accumulation order
+    c.check(c.run(q_block=4, kv_chunk=16), what=" (other tiling)")
+
+
+# ------------------------------------------------------------------------- planted bugs
+
+
+def _fails(c, got):
+    with pytest.raises(AssertionError, match="projection off"):
+        c.check(got)
+
+
+def test_planted_norm_style_flipped(case, monkeypatch):
+    c = case("gemma3")
+    monkeypatch.setattr(fwd, "gemma_rms_norm", lambda x, w, eps: rms_norm(x, w, eps))
+    _fails(c, c.run())
+
+
+def test_planted_rope_type_ignored(case):
+    for name in ("llama_yarn", "llama3", "llama_dynamic", "llama_longrope", "gemma3"):
+        c = case(name)
+        ropes = tuple(
+            (k, RopeView(RopeScaling(), v.rope_theta, v.head_dim, v.max_position_embeddings))
+            for k, v in c.cfg.ropes
+        )
+        _fails(c, c.run(cfg=dataclasses.replace(c.cfg, ropes=ropes)))
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_planted_sliding_window_off_by_one(case, delta):
+    for name in ("mistral", "gemma2"):
+        c = case(name)
+        windows = tuple(None if w is None else w + delta for w in c.cfg.layer_windows)
+        _fails(c, c.run(cfg=dataclasses.replace(c.cfg, layer_windows=windows)))
+
+
+def test_planted_documents_not_separated(case):
+    c = case("qwen3")
+    # one document id for the whole row: the second document then sees the first
+    doc = np.where(c.doc >= 0, 0, -1).astype(np.int32)
+    f = jax.jit(lambda p, a, b, d: hidden_states(p, c.cfg, a, b, d, LAYER_IDS, **BLOCKS))
+    _fails(c, np.asarray(f(c.params, c.ids, c.pos, doc))[: c.n])
+
+
+def test_planted_softcap_dropped(case):
+    c = case("gemma2")
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, attn_softcap=None)))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])  # vmapped rows; lax.map for experts
+def test_batch_of_rows(case, name):
+    c = case(name)
+    batch = {
+        "input_ids": np.stack([c.ids, c.ids]),
+        "position_ids": np.stack([c.pos, c.pos]),
+        "document_ids": np.stack([c.doc, c.doc]),
+    }
+    f = jax.jit(lambda p, b: fwd.batch_hidden_states(p, c.cfg, b, LAYER_IDS, **BLOCKS))
+    out = np.asarray(f(c.params, batch))
+    assert out.shape == (2, len(c.ids), len(LAYER_IDS), c.cfg.hidden_size)
+    for r in range(2):
+        c.check(out[r][: c.n], what=f" (batch row {r})")
