@@ -24,7 +24,11 @@ Per-slot formulas are the reference's eager ones (``speculators.losses.eager``);
 ``jsd``       ``0.5 KL(p || m) + 0.5 KL(q || m)``, ``m = (p + q) / 2``
 ``nla``       ``-log(max(sum_v min(q_v, p_v), 1e-5))``
 ``lk_hybrid`` ``lam KL(p || q) + (1 - lam) TV``, ``lam = exp(-3 sg(sum_v min(q_v, p_v)))``
+``renyi_half`` ``-2 log sum_v sqrt(p_v q_v)`` (Renyi-1/2; D-PARD's actor, docs/math.md §7)
 ========== =====================================================================
+
+``--per-position-loss-weight dpard`` (:func:`dpard_weights`, :func:`cumulative_reach_weights`)
+is D-PARD, from speculators' unmerged PR #1078 (not in 0.9.0): docs/math.md §7-§8.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 __all__ = [
     "PER_POSITION_TERMS",
+    "cumulative_reach_weights",
     "dpace_weights",
+    "dpard_weights",
     "dspark_loss",
     "fixed_exp_decay_weights",
     "parse_loss_fn",
@@ -49,8 +55,9 @@ __all__ = [
 ]
 
 # Names as in speculators' loss maps (``_EAGER_LOSS_FN_MAP``); all are implemented.
-PER_POSITION_TERMS = ("ce", "tv", "kl_div", "rkl", "jsd", "nla", "lk_hybrid")
-PER_POSITION_LOSS_WEIGHTS = ("fixed-exp-decay", "dpace")
+# renyi_half is D-PARD's actor (speculators PR #1078, not in 0.9.0's maps).
+PER_POSITION_TERMS = ("ce", "tv", "kl_div", "rkl", "jsd", "nla", "lk_hybrid", "renyi_half")
+PER_POSITION_LOSS_WEIGHTS = ("fixed-exp-decay", "dpace", "dpard")
 
 _LOSS_REDUCTION_EPS = 1e-5  # speculators.losses.utils._LOSS_REDUCTION_EPS
 _CONF_EPS = 1e-8  # speculators.models.dspark.metrics._EPS
@@ -149,7 +156,8 @@ _logits_matmul.defvjp(_logits_matmul_fwd, _logits_matmul_bwd)
 # (bench/README.md, "Where JAX is slower" item 1). With these saved, the backward
 # recomputes the logit matmuls and elementwise terms, and reduces over the vocab only
 # for the cotangent's own row sum (the log-softmax VJP).
-_ROW_STATS = ("draft_lse", "target_lse", "target_ids", "overlap")
+# renyi_lse is renyi_half's log sum_v sqrt(p_v q_v), saved for the same reason.
+_ROW_STATS = ("draft_lse", "target_lse", "target_ids", "overlap", "renyi_lse")
 
 
 def _row_logsumexp(x: jax.Array) -> jax.Array:
@@ -223,6 +231,11 @@ def _chunk_values(z: jax.Array, t: jax.Array, terms: tuple[str, ...]) -> dict[st
         elif name == "lk_hybrid":
             lam = jnp.exp(-_LK_HYBRID_ETA * jax.lax.stop_gradient(overlap))
             out[name] = lam * kl() + (1.0 - lam) * tv
+        elif name == "renyi_half":
+            # log sum_v sqrt(p_v q_v) = logsumexp_v((log p_v + log q_v) / 2), shifted by
+            # its row max: finite even where the two barely overlap (sqrt(p q) underflows).
+            log_bc = checkpoint_name(_logsumexp(0.5 * (logp + logq), "renyi_lse"), "renyi_lse")
+            out[name] = -2.0 * log_bc[:, 0]
         else:  # guarded by per_position_values
             raise AssertionError(name)
     # Metrics only: nothing differentiates them, so the backward never recomputes them.
@@ -387,6 +400,70 @@ def dpace_weights(
     return (weight * mask).reshape(num_slots)
 
 
+def _draft_slot_blocks(
+    x: jax.Array, loss_mask: jax.Array, block_size: int, start_pos: int
+) -> tuple[jax.Array, jax.Array]:
+    """([N, B - start_pos] x, [N, B - start_pos] 0/1 mask): a row's draft slots by block."""
+    num_slots = x.shape[0]
+    if num_slots % block_size:
+        raise ValueError(f"Q ({num_slots}) must be a multiple of block_size ({block_size})")
+    if not 0 <= start_pos < block_size:
+        raise ValueError(f"start_pos must be in [0, {block_size}), got {start_pos}")
+    x = jax.lax.stop_gradient(x).astype(jnp.float32).reshape(-1, block_size)[:, start_pos:]
+    active = (jnp.asarray(loss_mask).reshape(-1, block_size)[:, start_pos:] > 0).astype(x.dtype)
+    return x, active
+
+
+def _unblock(w: jax.Array, block_size: int, start_pos: int) -> jax.Array:
+    """[N, B - start_pos] -> [N * B], zeros at the slots before start_pos."""
+    return jnp.pad(w, ((0, 0), (start_pos, 0))).reshape(-1)
+
+
+def dpard_weights(
+    accept: jax.Array,
+    loss_mask: jax.Array,
+    block_size: int,
+    dpard_alpha: float,
+    start_pos: int = 0,
+) -> jax.Array:
+    """D-PARD's suffix credit [Q], no gradient (speculators PR #1078, ``dpard_loss_decay``).
+
+    Per block, over the draft slots k >= start_pos: ``s_k = alpha + (1 - alpha) a_k``
+    where the slot is masked in (``loss_mask > 0``), else 1; ``P_k = m_k prod_{j <= k}
+    s_j``; ``W_k = m_k sum_{j >= k} P_j``. Slots before start_pos get 0.
+
+    Args:
+        accept: [Q] acceptance ``a = sum_v min(q_v, p_v)`` (detached here).
+        loss_mask: [Q] slot mask (nonzero = supervised).
+        block_size: B; Q must be a multiple of it.
+        dpard_alpha: the smoothing floor, in (0, 1).
+        start_pos: 0 with sample_from_anchor, else 1 (slot 0 is the anchor).
+    """
+    if not 0.0 < dpard_alpha < 1.0:
+        raise ValueError(f"dpard_alpha must be strictly between 0 and 1, got {dpard_alpha}")
+    a, active = _draft_slot_blocks(accept, loss_mask, block_size, start_pos)
+    smooth = jnp.where(active > 0, dpard_alpha + (1.0 - dpard_alpha) * a, 1.0)
+    prefix = jnp.cumprod(smooth, axis=-1) * active
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(prefix, axis=-1), axis=-1), axis=-1)
+    return _unblock(suffix * active, block_size, start_pos)
+
+
+def cumulative_reach_weights(
+    accept: jax.Array, loss_mask: jax.Array, block_size: int, start_pos: int = 0
+) -> jax.Array:
+    """D-PARD's confidence weights [Q], no gradient (PR #1078, ``_cumulative_reach``).
+
+    Per block, over the draft slots k >= start_pos: ``r_k = m_k prod_{start <= j < k}
+    a'_j`` with ``a'_j = a_j`` where masked in, else 1 (r is 1 at the first draft slot);
+    slots before start_pos get 0. r_k is the probability that rejection sampling reaches
+    slot k.
+    """
+    a, active = _draft_slot_blocks(accept, loss_mask, block_size, start_pos)
+    a = jnp.where(active > 0, a, 1.0)
+    exclusive = jnp.cumprod(jnp.pad(a[:, :-1], ((0, 0), (1, 0)), constant_values=1.0), axis=-1)
+    return _unblock(exclusive * active, block_size, start_pos)
+
+
 # --------------------------------------------------------------------------------------
 # Loss and metrics of one row
 # --------------------------------------------------------------------------------------
@@ -409,6 +486,7 @@ def dspark_loss(
     per_position_loss_weight: str = "fixed-exp-decay",
     dpace_alpha: float = 0.5,
     sample_from_anchor: bool = True,
+    dpard_alpha: float = 0.5,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DSpark loss and metrics of one packed row (``compute_metrics`` of speculators 0.9.0).
 
@@ -420,10 +498,14 @@ def dspark_loss(
         loss_weights: ``{term: weight}`` as returned by :func:`parse_loss_fn`.
         gamma, confidence_head_alpha, per_position_loss_weight, dpace_alpha,
         sample_from_anchor: as the reference's training flags.
+        dpard_alpha: ``--dpard-alpha`` (speculators PR #1078), used with
+            ``per_position_loss_weight="dpard"``, which needs loss_weights
+            ``{"renyi_half": 1.0}``.
 
     Returns:
         (loss, metrics): fp32 scalar loss ``sum_i w_i term_i + alpha * confidence``, and
-        ``*_sum`` / ``*_total`` fp32 scalars with the reference's keys, in its order.
+        ``*_sum`` / ``*_total`` fp32 scalars with the reference's keys, in its order
+        (D-PARD adds ``dpard_loss``, ``dpard_credit`` and ``position_{k}_dpard_credit``).
         Metrics carry no gradient.
     """
     if per_position_loss_weight not in PER_POSITION_LOSS_WEIGHTS:
@@ -433,6 +515,12 @@ def dspark_loss(
         )
     if not loss_weights:
         raise ValueError("loss_weights must name at least one loss term")
+    dpard = per_position_loss_weight == "dpard"
+    if dpard and dict(loss_weights) != {"renyi_half": 1.0}:
+        raise ValueError(
+            "per_position_loss_weight 'dpard' requires loss_weights {'renyi_half': 1.0} "
+            f"(--loss-fn renyi_half), got {dict(loss_weights)}"
+        )
     missing = [k for k in (*loss_weights, "accept", "pred_ids", "target_ids") if k not in values]
     if missing:
         raise ValueError(f"values lacks {missing}; compute them with per_position_values")
@@ -447,10 +535,20 @@ def dspark_loss(
     pos = jnp.arange(num_slots, dtype=jnp.int32) % block_size
     fixed_w = fixed_exp_decay_weights(pos, gamma, sample_from_anchor)
 
+    accept = jax.lax.stop_gradient(values["accept"]).astype(jnp.float32)
+
     # Main loss: the reference's compound_loss / loss_function.
     loss = jnp.zeros((), jnp.float32)
     term_losses: dict[str, jax.Array] = {}
-    for name, weight in loss_weights.items():
+    dpard_credit = None
+    if dpard:
+        # D-PARD (PR #1078's compute_metrics): the Renyi-1/2 actor weighted by the
+        # detached suffix credit, over the plain mask count (masked_weighted_mean).
+        dpard_credit = dpard_weights(accept, mask_f, block_size, dpard_alpha, start_pos)
+        weighted = values["renyi_half"].astype(jnp.float32) * mask_f
+        loss = jnp.sum(weighted * dpard_credit) / (jnp.sum(mask_f) + _LOSS_REDUCTION_EPS)
+        actor_loss = jax.lax.stop_gradient(loss)
+    for name, weight in ({} if dpard else loss_weights).items():
         weighted = values[name].astype(jnp.float32) * mask_f
         if per_position_loss_weight == "dpace":
             decay = dpace_weights(weighted, mask_f, block_size, dpace_alpha)
@@ -461,7 +559,6 @@ def dspark_loss(
             term_losses[f"{name}_loss"] = jax.lax.stop_gradient(term)
         loss = loss + weight * term
 
-    accept = jax.lax.stop_gradient(values["accept"]).astype(jnp.float32)
     accept_blocks = accept.reshape(num_blocks, block_size)
     draft_mask = mask_f.reshape(num_blocks, block_size)[:, start_pos:]
     accept_prefix = jnp.cumprod(accept_blocks[:, start_pos:] * draft_mask, axis=-1)
@@ -472,8 +569,13 @@ def dspark_loss(
     if confidence_logits is not None:
         conf = confidence_logits.astype(jnp.float32)
         bce = _bce_with_logits(conf, accept)
-        # The reference keeps the confidence BCE on the fixed decay even under D-PACE.
-        conf_loss = jnp.sum(bce * mask_f * fixed_w) / (jnp.sum(mask_f) + _CONF_EPS)
+        if dpard:
+            # D-PARD weights it by the reach prod_{j<k} a_j, over the mask count + 1e-5.
+            reach = cumulative_reach_weights(accept, mask_f, block_size, start_pos)
+            conf_loss = jnp.sum(bce * reach * mask_f) / (jnp.sum(mask_f) + _LOSS_REDUCTION_EPS)
+        else:
+            # The reference keeps the confidence BCE on the fixed decay even under D-PACE.
+            conf_loss = jnp.sum(bce * mask_f * fixed_w) / (jnp.sum(mask_f) + _CONF_EPS)
         loss = loss + confidence_head_alpha * conf_loss
 
         conf_prob = jax.nn.sigmoid(jax.lax.stop_gradient(conf))
@@ -494,6 +596,21 @@ def dspark_loss(
     for name, value in term_losses.items():
         metrics[f"{name}_sum"] = value
         metrics[f"{name}_total"] = one
+    if dpard_credit is not None:
+        # SpecForge's dpard_loss (the weighted actor), PR #1078's credit metrics.
+        metrics["dpard_loss_sum"] = actor_loss
+        metrics["dpard_loss_total"] = one
+        metrics["dpard_credit_sum"] = jnp.sum(dpard_credit)
+        metrics["dpard_credit_total"] = mask_total
+        credit_blocks = dpard_credit.reshape(num_blocks, block_size)
+        mask_blocks = mask_f.reshape(num_blocks, block_size)
+        for k in range(start_pos, block_size):
+            metrics[f"position_{k}_dpard_credit_sum"] = jnp.sum(
+                credit_blocks[:, k] * mask_blocks[:, k]
+            )
+            metrics[f"position_{k}_dpard_credit_total"] = jnp.maximum(
+                jnp.sum(mask_blocks[:, k]), 1.0
+            )
 
     metrics["accept_rate_sum"] = jnp.sum(accept * mask_f)
     metrics["accept_rate_total"] = mask_total

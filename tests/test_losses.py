@@ -11,13 +11,15 @@ import pytest
 
 from dspark_jax.losses import (
     PER_POSITION_TERMS,
+    cumulative_reach_weights,
     dpace_weights,
+    dpard_weights,
     dspark_loss,
     fixed_exp_decay_weights,
     parse_loss_fn,
     per_position_values,
 )
-from tests.numerics import BF16_U, U, assert_within, log_softmax64
+from tests.numerics import BF16_U, U, assert_within, log_softmax64, overlap_bound
 from tests.numerics import logit_chain_bound as _fp32_scales
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -66,6 +68,7 @@ def naive_per_position_values(
             jnp.exp(-3.0 * jax.lax.stop_gradient(overlap)) * kl
             + (1.0 - jnp.exp(-3.0 * jax.lax.stop_gradient(overlap))) * (1.0 - overlap)
         ),
+        "renyi_half": lambda: -2.0 * jnp.log(jnp.sqrt(p * q).sum(-1)),
     }
     out = {name: formulas[name]() for name in terms}
     out["accept"] = jax.lax.stop_gradient(overlap)
@@ -450,7 +453,8 @@ def test_backward_recomputes_no_vocab_row_reduction(terms):
     both = _vocab_row_reductions(
         jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 4, 5)))(*args).jaxpr, v
     )
-    assert fwd["argmax"] == 2 and fwd["reduce_max"] == 2  # labels, predictions; 2 softmaxes
+    # labels, predictions; 2 softmaxes (+ renyi_half's log-sum-exp of (log p + log q) / 2)
+    assert fwd["argmax"] == 2 and fwd["reduce_max"] == 2 + ("renyi_half" in terms)
     backward = {k: both[k] - fwd[k] for k in _ROW_REDUCTIONS}
     assert backward == {**dict.fromkeys(_ROW_REDUCTIONS, 0), "reduce_sum": 1}, backward
 
@@ -573,6 +577,241 @@ def test_dspark_loss_rejects_bad_arguments(oracle):
         per_position_values(*args, terms=("xent",))
     with pytest.raises(ValueError, match="together"):
         per_position_values(*args[:5], terms=("ce",))
+
+
+# ---------------------------------------------------------------- D-PARD (docs/math.md §7-§8)
+
+DP_B, DP_V = 8, 40
+DP_Q = 3 * DP_B
+# Holes inside blocks, a block's tail masked, and a block without one valid slot.
+DP_MASK = np.array([1, 1, 1, 0, 1, 1, 1, 1] + [1, 1, 1, 1, 1, 0, 0, 0] + [0] * 8, np.int32)
+
+
+def _dpard_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    z = (2.0 * rng.standard_normal((DP_Q, DP_V))).astype(np.float32)
+    # Targets near the drafts (acceptances ~0.3-0.8), as in training.
+    t = (z + 1.5 * rng.standard_normal((DP_Q, DP_V))).astype(np.float32)
+    conf = rng.uniform(-2.0, 2.0, DP_Q).astype(np.float32)
+    return z, t, conf
+
+
+def dpard_oracle(z, t, conf, mask, *, alpha, conf_alpha, start):
+    """Float64, straight from the definitions (speculators docs dspark.md, PR #1078):
+    D_t = -2 log sum_v sqrt(p q), a_t = sum_v min(p, q), W_t = sum_{k >= t} prod_{i <= k}
+    (alpha + (1 - alpha) a_i) over the block's masked-in draft slots, r_t = prod_{i < t}
+    a_i, loss = sum W D m / (sum m + 1e-5) + conf_alpha sum BCE(conf, a) r m / (same);
+    and the analytic gradients d loss / d z = W m / N (q - tilted), tilted = sqrt(p q) /
+    sum sqrt(p q), d loss / d conf = conf_alpha r m / N (sigmoid(conf) - a)."""
+    z, t, conf = (np.asarray(x, np.float64) for x in (z, t, conf))
+    q, p = np.exp(log_softmax64(z)), np.exp(log_softmax64(t))
+    root = np.sqrt(p * q)
+    d = -2.0 * np.log(root.sum(-1))
+    a = np.minimum(p, q).sum(-1)
+    w, r = np.zeros(len(mask)), np.zeros(len(mask))
+    for first in range(0, len(mask), DP_B):
+        slots = [i for i in range(first + start, first + DP_B) if mask[i]]
+        for j in slots:
+            w[j] = sum(
+                math.prod(alpha + (1 - alpha) * a[i] for i in slots if i <= k)
+                for k in slots
+                if k >= j
+            )
+            r[j] = math.prod(a[i] for i in slots if i < j)
+    n = mask.sum() + 1e-5
+    actor = (w * d * mask).sum() / n
+    bce = (1 - a) * conf + np.logaddexp(0.0, -conf)
+    conf_loss = (bce * r * mask).sum() / n
+    tilted = root / root.sum(-1, keepdims=True)
+    return {
+        "D": d, "a": a, "W": w, "r": r, "actor": actor, "conf": conf_loss, "bce": bce,
+        "loss": actor + conf_alpha * conf_loss, "q": q, "tilted": tilted,
+        "grad_z": (w * mask / n)[:, None] * (q - tilted),
+        "grad_conf": conf_alpha * r * mask / n * (1 / (1 + np.exp(-conf)) - a),
+    }  # fmt: skip
+
+
+def _dpard_run(z, t, conf, mask, *, alpha, conf_alpha, sample_from_anchor, chunk_size):
+    eye = jnp.eye(DP_V, dtype=jnp.float32)  # identity heads: the logits pass through exactly
+
+    def loss(z, conf):
+        values = per_position_values(z, eye, t, eye, terms=("renyi_half",), chunk_size=chunk_size)
+        total, metrics = dspark_loss(
+            values, conf, mask, block_size=DP_B, loss_weights={"renyi_half": 1.0},
+            confidence_head_alpha=conf_alpha, per_position_loss_weight="dpard",
+            dpard_alpha=alpha, sample_from_anchor=sample_from_anchor,
+        )  # fmt: skip
+        return total, (values, metrics)
+
+    (total, (values, metrics)), grads = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    )(z, conf)
+    return total, values, metrics, grads
+
+
+def _dpard_bounds(z, t, conf, mask, want, *, alpha, conf_alpha):
+    """Round-off bounds of the fp32 computation against the float64 oracle.
+
+    * D_t: k u A_t (tests/numerics.py logit_chain_bound; it bounds two fp32 evaluations,
+      so one exact side halves the need). a_t: overlap_bound's da_t (likewise).
+    * s_i = alpha + (1 - alpha) a_i: (1 - alpha) da_i + 3u s_i (1 - alpha, the product,
+      the sum); P_k = prod_{i <= k} s_i: relative sum_i ds_i / s_i + B u (the cumprod);
+      W_t = sum_{k >= t} P_k: sum_k dP_k + B u W_t (the suffix sum). r_t = prod_{i < t} a_i:
+      relative sum da_i / a_i + B u.
+    * a loss sum(x y m) / N over Q slots: sum (dx y + x dy) m / N + (Q + 4) u sum|x y m| / N
+      (products, the Q-term sum, the division, N's + 1e-5). BCE(x, a): |x| da + 8u
+      (|x| + softplus(-x)) (the two products, the 1 - a, the softplus, the sum).
+    * d loss / d z_v = c_t (q_v S_t - tilted_v), c_t = W_t m_t / N, S_t = sum tilted (= 1):
+      each of q, tilted within k u A_t relatively (the values' log-prob chain), c_t within
+      dW_t / W_t + 4u: |dg| <= c_t (k u A_t + dW_t / W_t + 4u) (q_v + tilted_v) + V u c_t q_v
+      (S_t's V-term sum). d loss / d conf_t = conf_alpha r_t m_t / N (sigmoid - a): dr, da
+      and 6u of the sigmoid, the difference and the products.
+    First-order bounds; the second-order terms are < 1e-3 of them here (all relative
+    errors < 1e-4): x 1.01.
+    """
+    eye = np.eye(DP_V)
+    k, big_a, _, _ = _fp32_scales(z, eye, t, eye)
+    d_d = k * U * big_a
+    d_a, _ = overlap_bound(z, eye, t, eye)
+    a, big_w, r, m = want["a"], want["W"], want["r"], mask.astype(np.float64)
+    s = alpha + (1 - alpha) * a
+    rel_s = ((1 - alpha) * d_a + 3 * U * s) / s
+    d_w, d_r = np.zeros(DP_Q), np.zeros(DP_Q)
+    for first in range(0, DP_Q, DP_B):
+        blk = range(first, first + DP_B)
+        on = [i for i in blk if m[i]]
+        for j in on:
+            # P_k for each masked-in k >= j, with its relative error.
+            for kk in (x for x in on if x >= j):
+                prefix = [i for i in on if i <= kk]
+                p_k = math.prod(s[i] for i in prefix)
+                d_w[j] += p_k * (sum(rel_s[i] for i in prefix) + DP_B * U)
+            d_w[j] += DP_B * U * big_w[j]
+            d_r[j] = r[j] * (sum(d_a[i] / a[i] for i in on if i < j) + DP_B * U)
+    n = m.sum() + 1e-5
+    d_actor = ((d_w * want["D"] + big_w * d_d) * m).sum() / n + (DP_Q + 4) * U * np.abs(
+        big_w * want["D"] * m
+    ).sum() / n
+    c = np.asarray(conf, np.float64)
+    bce = want["bce"]
+    d_bce = np.abs(c) * d_a + 8 * U * (np.abs(c) + np.logaddexp(0.0, -c))
+    d_conf = ((d_bce * r + bce * d_r) * m).sum() / n + (DP_Q + 4) * U * (bce * r * m).sum() / n
+    d_loss = d_actor + conf_alpha * d_conf + 2 * U * abs(want["loss"])
+    rel_c = np.where(big_w > 0, d_w / np.where(big_w > 0, big_w, 1.0), 0.0) + 4 * U
+    c_t = (big_w * m / n)[:, None]
+    q, tilted = want["q"], want["tilted"]
+    d_gz = c_t * ((d_d + rel_c)[:, None] * (q + tilted) + DP_V * U * q)
+    sig = 1 / (1 + np.exp(-c))
+    d_gc = conf_alpha * m / n * (d_r * np.abs(sig - a) + r * (d_a + 6 * U))
+    f = 1.01
+    return {
+        "D": f * d_d, "a": f * d_a, "W": f * d_w, "r": f * d_r, "actor": f * d_actor,
+        "conf": f * d_conf, "loss": f * d_loss, "grad_z": f * d_gz, "grad_conf": f * d_gc,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("alpha", "sample_from_anchor", "chunk_size"),
+    [(0.5, True, 5), (0.5, True, DP_Q), (0.3, False, 7)],
+)
+def test_dpard_terms_loss_and_gradient_match_float64_definitions(
+    alpha, sample_from_anchor, chunk_size
+):
+    z, t, conf = _dpard_inputs()
+    start, conf_alpha = (0 if sample_from_anchor else 1), 0.7
+    want = dpard_oracle(z, t, conf, DP_MASK, alpha=alpha, conf_alpha=conf_alpha, start=start)
+    bound = _dpard_bounds(z, t, conf, DP_MASK, want, alpha=alpha, conf_alpha=conf_alpha)
+    total, values, metrics, (g_z, g_conf) = _dpard_run(
+        jnp.asarray(z), jnp.asarray(t), jnp.asarray(conf), jnp.asarray(DP_MASK), alpha=alpha,
+        conf_alpha=conf_alpha, sample_from_anchor=sample_from_anchor, chunk_size=chunk_size,
+    )  # fmt: skip
+    assert_within(values["renyi_half"], want["D"], bound["D"], "D_t")
+    assert_within(values["accept"], want["a"], bound["a"], "a_t")
+    credit = dpard_weights(values["accept"], DP_MASK, DP_B, alpha, start)
+    reach = cumulative_reach_weights(values["accept"], DP_MASK, DP_B, start)
+    assert_within(credit, want["W"], bound["W"], "W_t")
+    assert_within(reach, want["r"], bound["r"], "r_t")
+    assert_within(metrics["dpard_loss_sum"], want["actor"], bound["actor"], "actor")
+    assert_within(metrics["confidence_loss_sum"], want["conf"], bound["conf"], "confidence")
+    assert_within(total, want["loss"], bound["loss"], "loss")
+    assert_within(g_z, want["grad_z"], bound["grad_z"], "d loss / d z")
+    assert_within(g_conf, want["grad_conf"], bound["grad_conf"], "d loss / d conf")
+    # The credit metrics: sums of W over masked slots, per position and in all.
+    m = DP_MASK.reshape(-1, DP_B)
+    w_blocks = want["W"].reshape(-1, DP_B)
+    assert float(metrics["dpard_credit_total"]) == DP_MASK.sum()
+    assert_within(metrics["dpard_credit_sum"], want["W"].sum(), bound["W"].sum(), "credit")
+    for k in range(DP_B):
+        key = f"position_{k}_dpard_credit"
+        if k < start:
+            assert f"{key}_sum" not in metrics
+            continue
+        assert float(metrics[f"{key}_total"]) == max(m[:, k].sum(), 1)
+        w_bound = bound["W"].reshape(-1, DP_B)[:, k].sum()
+        assert_within(metrics[f"{key}_sum"], (w_blocks[:, k] * m[:, k]).sum(), w_bound, key)
+
+
+def test_dpard_chunked_equals_unchunked():
+    z, t, conf = (jnp.asarray(x) for x in _dpard_inputs(seed=1))
+    kw = dict(alpha=0.5, conf_alpha=1.0, sample_from_anchor=True)
+    one = _dpard_run(z, t, conf, jnp.asarray(DP_MASK), chunk_size=DP_Q, **kw)
+    many = _dpard_run(z, t, conf, jnp.asarray(DP_MASK), chunk_size=5, **kw)
+    # Each side is within the float64 bound; so they are within twice it.
+    want = dpard_oracle(*_dpard_inputs(seed=1), DP_MASK, alpha=0.5, conf_alpha=1.0, start=0)
+    bound = _dpard_bounds(*_dpard_inputs(seed=1), DP_MASK, want, alpha=0.5, conf_alpha=1.0)
+    assert_within(many[0], one[0], 2 * bound["loss"], "loss")
+    assert_within(many[3][0], one[3][0], 2 * bound["grad_z"], "d loss / d z")
+
+
+def test_dpard_weights_by_hand_and_without_gradient():
+    # speculators PR #1078's hand-worked values (tests/unit/models/test_dpard.py):
+    # s = [0.9, 0.8, 0.85], prefix [0.9, 0.72, 0.612], suffix [2.232, 1.332, 0.612];
+    # with slot 0 the anchor: s = [0.9, 0.8] -> [0, 1.62, 0.72]. fp32 vs exact decimals:
+    # the products and sums of <= 3 terms of <= 3 factors, each input rounded: 16u rel.
+    np.testing.assert_allclose(
+        dpard_weights(jnp.array([0.8, 0.6, 0.7]), jnp.ones(3), 3, 0.5),
+        [2.232, 1.332, 0.612],
+        rtol=16 * U,
+    )
+    np.testing.assert_allclose(
+        dpard_weights(jnp.array([0.2, 0.8, 0.6]), jnp.ones(3), 3, 0.5, start_pos=1),
+        [0.0, 1.62, 0.72],
+        rtol=16 * U,
+    )
+    # A masked slot adds no factor and no credit; blocks are independent.
+    acc = jnp.array([0.8, 0.6, 0.7, 0.4, 0.9, 0.2])
+    mask = jnp.array([1, 1, 0, 1, 1, 1])
+    w = np.asarray(dpard_weights(acc, mask, 3, 0.5))
+    np.testing.assert_allclose(w[:3], [0.9 + 0.72, 0.72, 0.0], rtol=16 * U)
+    np.testing.assert_array_equal(w[3:], dpard_weights(acc[3:], mask[3:], 3, 0.5))
+    np.testing.assert_allclose(
+        cumulative_reach_weights(acc, mask, 3), [1.0, 0.8, 0.0, 1.0, 0.4, 0.36], rtol=4 * U
+    )
+    # Detached: no gradient through the credit or the reach.
+    g = jax.grad(lambda x: dpard_weights(x, mask, 3, 0.5).sum())(acc)
+    assert not np.any(g)
+    g = jax.grad(lambda x: cumulative_reach_weights(x, mask, 3).sum())(acc)
+    assert not np.any(g)
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        dpard_weights(acc, mask, 3, 1.0)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        dpard_weights(acc, mask, 4, 0.5)
+
+
+def test_dpard_requires_renyi_half_alone(oracle):
+    args, _, _ = oracle
+    vals = per_position_values(*args, terms=("renyi_half", "ce"), chunk_size=8)
+    for weights in ({"renyi_half": 1.0, "ce": 0.1}, {"renyi_half": 0.5}, {"ce": 1.0}):
+        with pytest.raises(ValueError, match="requires loss_weights"):
+            dspark_loss(
+                vals, None, jnp.ones(Q), block_size=8, loss_weights=weights,
+                per_position_loss_weight="dpard",
+            )  # fmt: skip
+    # Without dpard, renyi_half is an ordinary term (fixed decay), named like the others.
+    _, m = dspark_loss(
+        vals, None, jnp.ones(Q), block_size=8, loss_weights={"renyi_half": 0.5, "ce": 0.5}
+    )
+    assert "renyi_half_loss_sum" in m and not any(k.startswith("dpard") for k in m)
 
 
 # ---------------------------------------------------------------- --loss-fn parsing

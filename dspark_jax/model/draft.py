@@ -89,6 +89,7 @@ class LossSettings:
     confidence_head_alpha: float = 1.0
     per_position_loss_weight: str = "fixed-exp-decay"
     dpace_alpha: float = 0.5
+    dpard_alpha: float = 0.5  # --dpard-alpha (D-PARD, docs/math.md §7)
     vocab_chunk_tokens: int = 1024  # slots per vocab-sized chunk of the loss
     anchor_sampling: str = "per-row"  # --anchor-sampling (dspark_jax/anchors.py)
 
@@ -308,6 +309,7 @@ def row_loss(
         per_position_loss_weight=settings.per_position_loss_weight,
         dpace_alpha=settings.dpace_alpha,
         sample_from_anchor=cfg.sample_from_anchor,
+        dpard_alpha=settings.dpard_alpha,
     )
 
 

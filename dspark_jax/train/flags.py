@@ -279,9 +279,13 @@ FLAGS: tuple[Flag, ...] = (
     _bool("sample_from_anchor", "dflash", None,
           help="Slot k predicts token p+k+1 (default: on for dspark)."),
     _f("dflash_decay_gamma", "dflash", 4.0, float, "Position-weight decay gamma."),
-    _f("per_position_loss_weight", "dflash", None, choices=("fixed-exp-decay", "dpace"),
-       help="Position weights (default fixed-exp-decay)."),
+    _f("per_position_loss_weight", "dflash", None,
+       choices=("fixed-exp-decay", "dpace", "dpard"),
+       help="Position weights (default fixed-exp-decay); dpard: D-PARD, with --loss-fn "
+       "renyi_half (speculators PR #1078, not in 0.9.0; docs/math.md §7)."),
     _f("dpace_alpha", "dflash", 0.5, float, "D-PACE smoothing constant."),
+    _f("dpard_alpha", "dflash", 0.5, float,
+       "D-PARD acceptance-floor smoothing constant, in (0, 1)."),
     # --- dflash2, xpress, peagle, mtp: other speculator types
     _other("conv_kernel_size", "dflash2", "dflash2", 2, int),
     _other("conv_group_size", "dflash2", "dflash2", 16, int),
@@ -724,6 +728,11 @@ def validate(args: TrainArgs) -> None:
             raise ConfigError("--per-position-loss-weight=dpace requires --loss-fn=ce")
         if not 0.0 < v["dpace_alpha"] <= 1.0:
             raise ConfigError(f"--dpace-alpha must be in (0, 1], got {v['dpace_alpha']}")
+    if v["per_position_loss_weight"] == "dpard":
+        if parse_loss_fn(v["loss_fn"]) != {"renyi_half": 1.0}:
+            raise ConfigError("--per-position-loss-weight=dpard requires --loss-fn=renyi_half")
+        if not 0.0 < v["dpard_alpha"] < 1.0:
+            raise ConfigError(f"--dpard-alpha must be in (0, 1), got {v['dpard_alpha']}")
     # Draft-init contract (resolution._validate_draft_init).
     shaping = [BY_DEST[d].flag for d in DECODER_SHAPING if args.provided(d)]
     if v["from_pretrained"]:

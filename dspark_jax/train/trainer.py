@@ -236,6 +236,7 @@ class Trainer:
             confidence_head_alpha=args.confidence_head_alpha,
             per_position_loss_weight=args.per_position_loss_weight,
             dpace_alpha=args.dpace_alpha,
+            dpard_alpha=args.dpard_alpha,
             vocab_chunk_tokens=args.loss_chunk_tokens,
             anchor_sampling=args.anchor_sampling,
         )

@@ -199,7 +199,8 @@ def test_per_position_values_match_reference_eager_losses():
         "nla": eager.neg_log_acceptance_loss,
         "lk_hybrid": eager.lk_hybrid_loss,
     }
-    assert set(reference) == set(PER_POSITION_TERMS)
+    # renyi_half (D-PARD's actor) is not in 0.9.0: tests/test_losses.py checks it.
+    assert set(reference) == set(PER_POSITION_TERMS) - {"renyi_half"}
     scale = float(logits64.abs().max())
     for name, fn in reference.items():
         assert_fp32_parity(
@@ -231,7 +232,10 @@ def test_parse_loss_fn_agrees_with_resolve_loss_config(spec):
     except ValueError as err:
         with pytest.raises(ValueError) as ours:
             parse_loss_fn(spec)
-        assert str(ours.value) == str(err)
+        # Same message; the list of known names also has renyi_half (D-PARD, not in 0.9.0).
+        names = sorted(PER_POSITION_TERMS)
+        ref_names = sorted(set(names) - {"renyi_half"})
+        assert str(ours.value) == str(err).replace(str(ref_names), str(names))
     else:
         got = parse_loss_fn(spec)
         assert got == ref and list(got) == list(ref)

@@ -24,8 +24,11 @@ DEVIATIONS = {
 }
 # Left None by the reference's config and resolved by its model class (dspark: True).
 RESOLVED_BY_MODEL = {"sample_from_anchor": True}
-# Ours only: the Kimi-K3 branch's flag and the JAX flags.
-EXTRA = {"mooncake_writer_threads"} | {f.dest for f in cli.FLAGS if f.group == "jax"}
+# Ours only: the Kimi-K3 branch's flag, D-PARD's (speculators PR #1078, unmerged) and
+# the JAX flags.
+EXTRA = {"mooncake_writer_threads", "dpard_alpha"} | {f.dest for f in cli.FLAGS if f.group == "jax"}
+# Choices we add to a reference flag: D-PARD (docs/math.md §7).
+EXTRA_CHOICES = {"per_position_loss_weight": ["dpard"]}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,8 @@ def test_every_reference_flag_exists_with_the_same_spelling_and_choices(referenc
         assert mine.option_strings == ref.option_strings, dest
         assert type(mine) is type(ref), dest  # store / store_true / --x/--no-x
         assert (mine.nargs, mine.type or str) == (ref.nargs, ref.type or str), dest
-        assert list(mine.choices or []) == list(ref.choices or []), dest
+        extra = EXTRA_CHOICES.get(dest, [])
+        assert list(mine.choices or []) == [*(ref.choices or []), *extra], dest
 
 
 def test_resolved_defaults_equal_the_references_for_dspark(reference):
@@ -86,7 +90,7 @@ def test_normalize_counted_metrics_is_the_references():
 def test_the_trackers_config_record_is_the_references(backend):
     """flags.run_config: the record the reference's log_run_config hands its trackers
     (``TrainConfig.model_dump`` + ``hidden_states_backend_args``), flattened as they are;
-    ours has the JAX flags (``jax/...``) and mooncake_writer_threads besides."""
+    ours has the JAX flags (``jax/...``), mooncake_writer_threads and dpard_alpha besides."""
     from speculators.train.config.resolution import resolve
     from speculators.train.config.schema import TrainConfig
     from speculators.train.logger import _flatten_dict
@@ -101,7 +105,7 @@ def test_the_trackers_config_record_is_the_references(backend):
         ref["hidden_states_backend_args"] = dict(ref_cfg.backend_args)
     ref = _flatten_dict(ref)
     ours = _flatten_dict(cli.run_config(cli.resolve(argv)))
-    extra = {k for k in ours if k.startswith("jax/")}
+    extra = {k for k in ours if k.startswith("jax/")} | {"dflash/dpard_alpha"}
     if backend == "mooncake":
         extra.add("hidden_states_backend_args/mooncake_writer_threads")
     assert set(ours) - set(ref) == extra

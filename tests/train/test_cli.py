@@ -198,6 +198,22 @@ BASE = ["--verifier-name-or-path", "/nonexistent/verifier"]
             "--from-pretrained loads a complete",
         ),
         (["--per-position-loss-weight", "dpace"], "dpace requires --loss-fn=ce"),
+        (["--per-position-loss-weight", "dpard"], "dpard requires --loss-fn=renyi_half"),
+        (
+            ["--per-position-loss-weight", "dpard", "--loss-fn", '{"renyi_half": 0.5}'],
+            "dpard requires --loss-fn=renyi_half",
+        ),
+        (
+            [
+                "--per-position-loss-weight",
+                "dpard",
+                "--loss-fn",
+                "renyi_half",
+                "--dpard-alpha",
+                "1",
+            ],
+            "--dpard-alpha must be in (0, 1), got 1.0",
+        ),
         (["--checkpoint-freq", "1.5"], "is not an integer"),
         (["--loss-fn", "mse"], "Unknown loss function 'mse'"),
         (
@@ -210,6 +226,26 @@ def test_unsupported_or_conflicting_flags_fail_with_one_line(flags, message, cap
     assert train.main([*BASE, *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_dpard_flags_resolve_and_round_trip_through_run_yaml(tmp_path):
+    """D-PARD's flags (speculators PR #1078's names): in the dflash group of run.yaml,
+    back to the same values; renyi_half alone is a plain term (fixed decay)."""
+    argv = [*BASE, "--loss-fn", "renyi_half", "--per-position-loss-weight", "dpard"]
+    args = cli.resolve([*argv, "--dpard-alpha", "0.3"])
+    assert (args.loss_fn, args.per_position_loss_weight, args.dpard_alpha) == (
+        "renyi_half",
+        "dpard",
+        0.3,
+    )
+    dumped = tmp_path / "run.yaml"
+    dumped.write_text(args.dump_yaml())
+    assert yaml.safe_load(dumped.read_text())["train"]["dflash"]["dpard_alpha"] == 0.3
+    assert cli.resolve(["--config", str(dumped)]).values == args.values
+    assert cli.resolve(argv).dpard_alpha == 0.5  # the reference's default
+    assert cli.resolve([*BASE, "--loss-fn", "renyi_half"]).per_position_loss_weight == (
+        "fixed-exp-decay"
+    )
 
 
 def test_missing_verifier_is_required():

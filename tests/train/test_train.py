@@ -21,6 +21,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+import yaml
 
 from dspark_jax.train import flags as cli
 from dspark_jax.train import trainer as train
@@ -460,6 +461,53 @@ def test_per_document_anchors_resume_exactly(baseline, learn, tmp_path):
     resumed = read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
     assert [r["global_step"] for r in resumed if "train" in r] == list(range(5, 15))
     assert losses(resumed) == losses(full)[5:]  # bit-exact: same batches, same anchors
+    assert val_losses(resumed) == val_losses(full)[1:]
+
+
+DPARD = {"loss_fn": "renyi_half", "per_position_loss_weight": "dpard", "dpard_alpha": 0.4}
+
+
+def test_dpard_trains_logs_its_metrics_and_resumes_exactly(baseline, learn, tmp_path):
+    """--loss-fn renyi_half --per-position-loss-weight dpard through the trainer: the
+    loss falls, the records have D-PARD's metrics (and no ce/tv terms), run.yaml keeps the
+    flags, and a run resumed from step 5 continues bit-exactly."""
+    verifier, data = learn
+    _, records, _ = baseline
+    argv = tiny_argv(verifier, data, tmp_path / "full", **RUN, **DPARD)
+    assert train.run(cli.resolve(argv), devices=jax.devices()[:1]) == 0
+    full = read_jsonl(tmp_path / "full" / "logs" / "run" / "metrics.jsonl")
+    seq = losses(full)
+    assert len(seq) == STEPS_PER_EPOCH * EPOCHS and all(math.isfinite(x) for x in seq)
+    assert seq != losses(records)
+    first = [r["train"] for r in full if "train" in r][0]
+    dpard_metrics = {
+        "dpard_loss",
+        "dpard_credit",
+        *(f"position_{k}_dpard_credit" for k in range(4)),
+    }
+    assert set(first) == TRAIN_METRICS - {"ce_loss", "tv_loss"} | dpard_metrics
+    # loss = actor + confidence (alpha 1), each a mean over the step's 4 rows: the two
+    # sums of 4 row values and the row's own addition, <= 8u of the magnitudes.
+    for r in (r["train"] for r in full if "train" in r):
+        parts = r["dpard_loss"] + r["confidence_loss"]
+        assert abs(r["loss"] - parts) <= 8 * U * (abs(r["dpard_loss"]) + abs(r["confidence_loss"]))
+        assert (
+            r["dpard_credit"] > 0 and r["position_0_dpard_credit"] >= r["position_3_dpard_credit"]
+        )
+    # A progress margin (seeded run) far above the losses' round-off (LOSS_RTOL).
+    assert np.mean(seq[-3:]) < np.mean(seq[:3]) - 0.05, seq
+    run_yaml = yaml.safe_load((tmp_path / "full" / "ckpt" / "run.yaml").read_text())["train"]
+    assert run_yaml["loss"]["loss_fn"] == "renyi_half"
+    assert run_yaml["dflash"]["per_position_loss_weight"] == "dpard"
+    assert run_yaml["dflash"]["dpard_alpha"] == 0.4
+    shutil.copytree(tmp_path / "full" / "ckpt", tmp_path / "resumed" / "ckpt")
+    for step in ("10", "15"):
+        shutil.rmtree(tmp_path / "resumed" / "ckpt" / step)
+    argv = tiny_argv(verifier, data, tmp_path / "resumed", **RUN, **DPARD)
+    assert train.run(cli.resolve(argv), devices=jax.devices()[:1]) == 0
+    resumed = read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
+    assert [r["global_step"] for r in resumed if "train" in r] == list(range(5, 15))
+    assert losses(resumed) == seq[5:]  # bit-exact: same batches, anchors and weights
     assert val_losses(resumed) == val_losses(full)[1:]
 
 
