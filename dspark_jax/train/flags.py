@@ -140,7 +140,7 @@ FLAGS: tuple[Flag, ...] = (
     # --- verifier
     _f("verifier_name_or_path", "verifier", "",
        help="Local HF folder of the verifier (config.json + safetensors); no network access."),
-    _f("verifier_dtype", "verifier", "bfloat16", choices=("bfloat16", "float32"),
+    _f("verifier_dtype", "jax", "bfloat16", choices=("bfloat16", "float32"),
        help="--hidden-states-backend jax: dtype of the verifier's weights and matmuls "
        "(its residual stream, norms and softmax are fp32)."),
     _bool("trust_remote_code", "verifier", status=NO_EFFECT,

@@ -27,8 +27,9 @@ RESOLVED_BY_MODEL = {"sample_from_anchor": True}
 # Ours only: the Kimi-K3 branch's flag, D-PARD's (speculators PR #1078, unmerged) and
 # the JAX flags.
 EXTRA = {"mooncake_writer_threads", "dpard_alpha"} | {f.dest for f in cli.FLAGS if f.group == "jax"}
-# Choices we add to a reference flag: D-PARD (docs/math.md §7).
-EXTRA_CHOICES = {"per_position_loss_weight": ["dpard"]}
+# Choices we add to a reference flag: D-PARD (docs/math.md §7), the in-step verifier
+# (docs/design.md, "In-step verifier").
+EXTRA_CHOICES = {"per_position_loss_weight": ["dpard"], "hidden_states_backend": ["jax"]}
 
 
 @pytest.fixture(scope="module")

@@ -340,7 +340,8 @@ def test_compile_for_gpus_without_a_gpu(verifier, tmp_path, capsys, captured):
         flags.resolve(argv), devices=list(steps.mesh.devices.flat)
     ).abstract_state()[1]) > 0  # fmt: skip
     assert (
-        "[compile] fits: gpu:h200:2x2 with --mesh data=2,fsdp=2,tensor=1" in capsys.readouterr().out
+        "[compile] fits: gpu:h200:2x2 with --mesh data=2,fsdp=2,context=1,tensor=1"
+        in capsys.readouterr().out
     )
 
 
