@@ -54,8 +54,14 @@ GEMMA_STYLE_FINAL_NORM_MODEL_TYPES = frozenset(
 VERIFIER_NORM_STYLES = ("plain", "gemma")  # x * w, x * (1 + w)
 
 
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def is_int(x: Any) -> bool:
+    """A JSON integer (bool is not one)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_num(x: Any) -> bool:
+    """A finite JSON number (bool is not one)."""
+    return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +110,9 @@ class RopeScaling:
                     isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
                 )
             elif key in _ROPE_LIST_KEYS:
-                ok = isinstance(value, tuple) and all(_is_num(x) and x > 0 for x in value)
+                ok = isinstance(value, tuple) and all(is_num(x) and x > 0 for x in value)
             else:
-                ok = _is_num(value) and value > 0
+                ok = is_num(value) and value > 0
             if not ok:
                 raise ValueError(f"{where}.{key}: invalid value {value!r} for {self.rope_type!r}")
         missing = [k for k in required if items.get(k) is None]
@@ -335,12 +341,12 @@ class DSparkConfig:
                 f"expected one of {VERIFIER_NORM_STYLES}"
             )
         cap = self.verifier_logit_softcapping
-        if cap is not None and (not _is_num(cap) or cap <= 0):
+        if cap is not None and (not is_num(cap) or cap <= 0):
             raise ValueError(
                 f"DSparkConfig.verifier_logit_softcapping must be null or a positive number, "
                 f"got {cap!r}"
             )
-        if not _is_num(self.rope_theta) or self.rope_theta <= 0:
+        if not is_num(self.rope_theta) or self.rope_theta <= 0:
             raise ValueError(f"DSparkConfig.rope_theta must be positive, got {self.rope_theta!r}")
         self._validate_rope()
 

@@ -39,6 +39,8 @@ from dspark_jax.config import (
     ROPE_TYPES,
     DSparkConfig,
     RopeScaling,
+    is_int,
+    is_num,
     longrope_attention_factor,
 )
 from dspark_jax.convert import sglang_jax_rules, vllm_rules
@@ -174,14 +176,6 @@ def expected_tensors(cfg: DSparkConfig) -> dict[str, tuple]:
 
 
 # ---------------------------------------------------------------- config checks
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-
 class _Checker:
     def __init__(self, report: CheckReport):
         self.r = report
@@ -202,13 +196,13 @@ class _Checker:
             return None
         v = d[name]
         ok = {
-            "int": _is_int(v),
-            "int|null": v is None or _is_int(v),
+            "int": is_int(v),
+            "int|null": v is None or is_int(v),
             "bool": isinstance(v, bool),
-            "num": _is_num(v),
+            "num": is_num(v),
             "str": isinstance(v, str),
             "dict": isinstance(v, dict),
-            "list[int]": isinstance(v, list) and all(_is_int(i) for i in v),
+            "list[int]": isinstance(v, list) and all(is_int(i) for i in v),
         }[kind]
         if not ok:
             self.err(f"config.json: {where}{name!r} must be {kind}, got {v!r}")
@@ -222,7 +216,7 @@ def _check_rope(tl: dict, c: _Checker, vllm: bool) -> None:
     (transformers' ``ROPE_INIT_FUNCTIONS``, docs/math.md "RoPE")."""
     w = "transformer_layer_config.rope_parameters"
     rope = tl.get("rope_parameters")
-    if not isinstance(rope, dict) or not _is_num(rope.get("rope_theta")):
+    if not isinstance(rope, dict) or not is_num(rope.get("rope_theta")):
         c.err(
             f"config.json: {w}.rope_theta is missing (vLLM would default it to 1e6), got "
             f"rope_parameters={rope!r}"
@@ -254,7 +248,7 @@ def _check_rope(tl: dict, c: _Checker, vllm: bool) -> None:
             f"config.json: {w}: proportional rope with factor={rope['factor']}: vLLM's "
             "Gemma4RotaryEmbedding ignores factor (transformers divides the frequencies by it)"
         )
-    if kind == "longrope" and _is_int(max_pos):
+    if kind == "longrope" and is_int(max_pos):
         original = rope["original_max_position_embeddings"]
         c.warn(
             f"config.json: {w}: vLLM uses long_factor at every position when max_model_len > "
@@ -276,7 +270,7 @@ def _check_rope(tl: dict, c: _Checker, vllm: bool) -> None:
                 )
     section = rope.get("mrope_section")
     head_dim = tl.get("head_dim")
-    if section is not None and _is_int(head_dim):
+    if section is not None and is_int(head_dim):
         rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
         if not isinstance(section, list) or 2 * sum(section) != rotary:
             c.err(
@@ -363,7 +357,7 @@ def _check_config(d: dict, c: _Checker, target: str) -> None:
                     f"'sliding_attention', got {layer_types!r}"
                 )
             elif (
-                _is_int(tl.get("num_hidden_layers")) and len(layer_types) != tl["num_hidden_layers"]
+                is_int(tl.get("num_hidden_layers")) and len(layer_types) != tl["num_hidden_layers"]
             ):
                 c.err(
                     f"config.json: {w}layer_types has {len(layer_types)} entries, "
@@ -401,7 +395,7 @@ def _check_config(d: dict, c: _Checker, target: str) -> None:
         why=" (vLLM reads a missing value as False, speculators DSpark as True)",
     )
     mask = c.field(d, "mask_token_id", "int", "", why=" (vLLM fills the block's slots with it)")
-    vt = tl.get("vocab_size") if isinstance(tl, dict) and _is_int(tl.get("vocab_size")) else None
+    vt = tl.get("vocab_size") if isinstance(tl, dict) and is_int(tl.get("vocab_size")) else None
     if mask is not None and vt is not None and not 0 <= mask < vt:
         c.err(f"config.json: 'mask_token_id' {mask} is outside [0, vocab_size={vt})")
     vd = c.field(d, "draft_vocab_size", "int", "")
@@ -635,7 +629,7 @@ def _check_vllm(folder, d, report, verifier, tensor_parallel_size) -> None:
     report.notes += found.notes
     tl = d.get("transformer_layer_config")
     rope = tl.get("rope_parameters") if isinstance(tl, dict) else None
-    if isinstance(rope, dict) and _is_num(rope.get("rope_theta")):
+    if isinstance(rope, dict) and is_num(rope.get("rope_theta")):
         _check_rope(tl, c, vllm=True)  # the keys get_rope indexes, against what was trained
     if not report.ok:
         return

@@ -22,7 +22,6 @@ numpy + safetensors only, like :mod:`dspark_jax.convert.check`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,9 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from dspark_jax.convert.vllm_rules import Verifier
+from dspark_jax.config import is_int, is_num
+from dspark_jax.convert import vllm_rules
+from dspark_jax.convert.vllm_rules import Verifier, draft_layer_tensors
 
 REPO = "sgl-project/sglang-jax"
 # The commits the rules were read at (the DSpark files at the first commits that hold them).
@@ -81,14 +82,6 @@ def tag(rule: str) -> str:
     return f"[{rule}: {RULES[rule]}]"
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-
 @dataclasses.dataclass(frozen=True)
 class Served:
     """The drafter sglang-jax builds from config.json (the fields its DSpark path reads)."""
@@ -123,48 +116,19 @@ class Served:
         )
         fc_in = len(self.target_layer_ids) * self.target_hidden_size
         out = {"fc.weight": (h, fc_in), "hidden_norm.weight": (h,), "norm.weight": (h,)}
-        for i in range(self.num_hidden_layers):
-            p = f"layers.{i}."
-            out.update(
-                {
-                    p + "input_layernorm.weight": (h,),
-                    p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (nh * hd, h),
-                    p + "self_attn.k_proj.weight": (nkv * hd, h),
-                    p + "self_attn.v_proj.weight": (nkv * hd, h),
-                    p + "self_attn.o_proj.weight": (h, nh * hd),
-                    p + "self_attn.q_norm.weight": (hd,),
-                    p + "self_attn.k_norm.weight": (hd,),
-                    p + "mlp.gate_proj.weight": (inter, h),
-                    p + "mlp.up_proj.weight": (inter, h),
-                    p + "mlp.down_proj.weight": (h, inter),
-                }
-            )
-            if self.attention_bias:
-                for name, n in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-                    out[p + f"self_attn.{name}.bias"] = (n,)
-                out[p + "self_attn.o_proj.bias"] = (h,)
+        out |= draft_layer_tensors(
+            self.num_hidden_layers, h, nh, nkv, hd, inter, self.attention_bias
+        )
         # VanillaMarkovHead: both factors span config.vocab_size (no draft vocabulary).
         out["markov_head.markov_w1.weight"] = (self.vocab_size, self.markov_rank)
         out["markov_head.markov_w2.weight"] = (self.vocab_size, self.markov_rank)
         return out
 
 
-@dataclasses.dataclass
-class Findings:
-    errors: list[str] = dataclasses.field(default_factory=list)
-    warnings: list[str] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    served: Served | None = None
+class Findings(vllm_rules.Findings):
+    """vLLM's findings, tagged with sglang-jax's rules (``folder_form`` unused here)."""
 
-    def err(self, rule: str, msg: str) -> None:
-        self.errors.append(f"{msg} {tag(rule)}")
-
-    def warn(self, rule: str, msg: str) -> None:
-        self.warnings.append(f"{msg} {tag(rule)}")
-
-    def note(self, rule: str, msg: str) -> None:
-        self.notes.append(f"{msg} {tag(rule)}")
+    rule_tag = staticmethod(tag)
 
 
 def _explicit(f: Findings, d: dict, name: str, rule: str, ok, want: str):
@@ -180,7 +144,7 @@ def _explicit(f: Findings, d: dict, name: str, rule: str, ok, want: str):
 
 
 def _pos_int(x: Any) -> bool:
-    return _is_int(x) and x > 0
+    return is_int(x) and x > 0
 
 
 # ---------------------------------------------------------------- config.json
@@ -224,7 +188,7 @@ def _layer_config(d: dict, f: Findings) -> dict | None:
     ):
         geo[name] = _explicit(f, d, name, "layer-config", _pos_int, "a positive int")
     geo["head_dim"] = _explicit(f, d, "head_dim", "layer-config", _pos_int, "a positive int")
-    _explicit(f, d, "rms_norm_eps", "layer-config", lambda v: _is_num(v) and v > 0, "positive")
+    _explicit(f, d, "rms_norm_eps", "layer-config", lambda v: is_num(v) and v > 0, "positive")
     _explicit(f, d, "max_position_embeddings", "layer-config", _pos_int, "a positive int")
     geo["attention_bias"] = _explicit(
         f, d, "attention_bias", "layer-config", lambda v: isinstance(v, bool), "true or false"
@@ -235,7 +199,7 @@ def _layer_config(d: dict, f: Findings) -> dict | None:
     if d.get("tie_word_embeddings"):
         f.err("layer-config", "config.json: 'tie_word_embeddings' must be false")
     # RoPE: RotaryEmbedding(base=config.rope_theta), neox style, no scaling.
-    _explicit(f, d, "rope_theta", "rope", lambda v: _is_num(v) and v > 0, "a positive number")
+    _explicit(f, d, "rope_theta", "rope", lambda v: is_num(v) and v > 0, "a positive number")
     for key in ("rope_scaling", "rope_parameters"):
         rope = d.get(key)
         if isinstance(rope, dict):
@@ -286,7 +250,7 @@ def _dspark_fields(d: dict, geo: dict, f: Findings) -> Served | None:
             "target's lm_head, no d2t); retrain with the full vocabulary",
         )
     ths = _explicit(f, d, "target_hidden_size", "target-hidden", _pos_int, "a positive int")
-    block = _explicit(f, d, "block_size", "verify-width", lambda v: _is_int(v) and v > 1, "> 1")
+    block = _explicit(f, d, "block_size", "verify-width", lambda v: is_int(v) and v > 1, "> 1")
     sub = d.get("dflash_config")
     if not isinstance(sub, dict):
         f.err(
@@ -296,7 +260,7 @@ def _dspark_fields(d: dict, geo: dict, f: Findings) -> Served | None:
         )
         sub = {}
     ids = sub.get("target_layer_ids", d.get("target_layer_ids"))
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= -1 for i in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= -1 for i in ids):
         f.err(
             "aux-layers",
             f"config.json: dflash_config.target_layer_ids must be a non-empty list of ints "
@@ -317,7 +281,7 @@ def _dspark_fields(d: dict, geo: dict, f: Findings) -> Served | None:
             "server sizes the verify width from the first, the worker checks the second)",
         )
     mask = sub.get("mask_token_id", d.get("mask_token_id"))
-    if not _is_int(mask) or not 0 <= mask < geo["vocab_size"]:
+    if not is_int(mask) or not 0 <= mask < geo["vocab_size"]:
         f.err(
             "mask-token",
             f"config.json: dflash_config.mask_token_id must be an int in [0, vocab_size="

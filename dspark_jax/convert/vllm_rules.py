@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import shlex
@@ -25,6 +24,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors reads BF16)
 import numpy as np
 from safetensors import safe_open
+
+from dspark_jax.config import is_int, is_num
 
 RULES: dict[str, str] = {
     # rule: the vLLM 0.33.0 file it follows
@@ -104,18 +105,10 @@ def read_verifier(path_or_config: str | os.PathLike) -> Verifier:
     values = {}
     for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
         v = d.get(name) if isinstance(d, dict) else None
-        if not _is_int(v) or v <= 0:
+        if not is_int(v) or v <= 0:
             raise ValueError(f"--verifier {cfg_path}: {name!r} must be a positive int, got {v!r}")
         values[name] = v
     return Verifier(**values, source=str(path))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
 
 def valid_repo_id(name: Any) -> bool:
@@ -128,6 +121,36 @@ def valid_repo_id(name: Any) -> bool:
         and ".." not in name
         and not name.endswith(".git")
     )
+
+
+def draft_layer_tensors(
+    num_layers: int, h: int, nh: int, nkv: int, hd: int, inter: int, attention_bias: bool
+) -> dict[str, tuple[int, ...]]:
+    """The decoder layers' tensors of a DSpark draft, torch layout ([out, in]): the
+    Qwen3 layer names both engines map (vLLM's Qwen3DSpark, sglang-jax's dflash.py)."""
+    out = {}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (nh * hd, h),
+                p + "self_attn.k_proj.weight": (nkv * hd, h),
+                p + "self_attn.v_proj.weight": (nkv * hd, h),
+                p + "self_attn.o_proj.weight": (h, nh * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
+        if attention_bias:
+            for name, n in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+                out[p + f"self_attn.{name}.bias"] = (n,)
+            out[p + "self_attn.o_proj.bias"] = (h,)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,32 +195,9 @@ class Served:
         )
         fc_in = len(self.aux_layer_ids) * (self.target_hidden_size or h)
         out = {"fc.weight": (h, fc_in), "hidden_norm.weight": (h,), "norm.weight": (h,)}
-        for i in range(self.num_hidden_layers):
-            p = f"layers.{i}."
-            out.update(
-                {
-                    p + "input_layernorm.weight": (h,),
-                    p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (nh * hd, h),
-                    p + "self_attn.k_proj.weight": (nkv * hd, h),
-                    p + "self_attn.v_proj.weight": (nkv * hd, h),
-                    p + "self_attn.o_proj.weight": (h, nh * hd),
-                    p + "self_attn.q_norm.weight": (hd,),
-                    p + "self_attn.k_norm.weight": (hd,),
-                    p + "mlp.gate_proj.weight": (inter, h),
-                    p + "mlp.up_proj.weight": (inter, h),
-                    p + "mlp.down_proj.weight": (h, inter),
-                }
-            )
-            if self.attention_bias:
-                out.update(
-                    {
-                        p + "self_attn.q_proj.bias": (nh * hd,),
-                        p + "self_attn.k_proj.bias": (nkv * hd,),
-                        p + "self_attn.v_proj.bias": (nkv * hd,),
-                        p + "self_attn.o_proj.bias": (h,),
-                    }
-                )
+        out |= draft_layer_tensors(
+            self.num_hidden_layers, h, nh, nkv, hd, inter, self.attention_bias
+        )
         out["markov_head.markov_w1.weight"] = (self.vocab_size, self.markov_rank)
         out["markov_head.markov_w2.weight"] = (self.draft_vocab_size, self.markov_rank)
         return out
@@ -222,15 +222,16 @@ class Findings:
     notes: list[str] = dataclasses.field(default_factory=list)
     served: Served | None = None
     folder_form: bool = True  # `vllm serve <folder>` works (verifier-name)
+    rule_tag = staticmethod(tag)  # "[rule: file]" of the engine's rules (not a field)
 
     def err(self, rule: str, msg: str) -> None:
-        self.errors.append(f"{msg} {tag(rule)}")
+        self.errors.append(f"{msg} {self.rule_tag(rule)}")
 
     def warn(self, rule: str, msg: str) -> None:
-        self.warnings.append(f"{msg} {tag(rule)}")
+        self.warnings.append(f"{msg} {self.rule_tag(rule)}")
 
     def note(self, rule: str, msg: str) -> None:
-        self.notes.append(f"{msg} {tag(rule)}")
+        self.notes.append(f"{msg} {self.rule_tag(rule)}")
 
 
 # ---------------------------------------------------------------- config.json
@@ -241,8 +242,8 @@ def _field(f: Findings, d: dict, name: str, kind: str, rule: str, where: str, wh
         return None
     v = d[name]
     ok = {
-        "int": _is_int(v) and v > 0,
-        "num": _is_num(v),
+        "int": is_int(v) and v > 0,
+        "num": is_num(v),
         "bool": isinstance(v, bool),
         "str": isinstance(v, str),
     }[kind]
@@ -292,7 +293,7 @@ def _format(d: dict, f: Findings) -> dict | None:
             "config.json: speculators_config.proposal_methods[0].speculative_tokens is "
             "missing (vLLM: 'Invalid speculators config structure')",
         )
-    elif not _is_int(methods[0]["speculative_tokens"]) or methods[0]["speculative_tokens"] < 1:
+    elif not is_int(methods[0]["speculative_tokens"]) or methods[0]["speculative_tokens"] < 1:
         f.err(
             "speculators-config",
             "config.json: speculators_config.proposal_methods[0].speculative_tokens must be "
@@ -344,7 +345,7 @@ def _layer_config(tl: dict, f: Findings) -> dict[str, Any] | None:
     if act is not None and act != "silu":
         f.err("layer-config", f"config.json: {w}hidden_act must be 'silu' (Qwen2MLP), got {act!r}")
     head_dim = tl.get("head_dim")
-    if head_dim is not None and (not _is_int(head_dim) or head_dim <= 0):
+    if head_dim is not None and (not is_int(head_dim) or head_dim <= 0):
         f.err("layer-config", f"config.json: {w}head_dim must be a positive int, got {head_dim!r}")
         head_dim = None
     bias = tl.get("attention_bias", False)
@@ -353,7 +354,7 @@ def _layer_config(tl: dict, f: Findings) -> dict[str, Any] | None:
     # RoPE: a legacy top-level rope_theta is moved into rope_parameters (patch_rope_parameters).
     rope = tl.get("rope_parameters") if isinstance(tl.get("rope_parameters"), dict) else {}
     theta = rope.get("rope_theta", tl.get("rope_theta"))
-    if not _is_num(theta):
+    if not is_num(theta):
         f.err(
             "rope",
             f"config.json: {w}rope_parameters.rope_theta is missing: vLLM defaults it to 1e6 "
@@ -384,7 +385,7 @@ def _layer_config(tl: dict, f: Findings) -> dict[str, Any] | None:
             sliding = "sliding_attention" in layer_types
     if sliding:
         sw = tl.get("sliding_window")
-        if not _is_int(sw) or sw <= 0:
+        if not is_int(sw) or sw <= 0:
             f.err(
                 "sliding-window",
                 f"config.json: {w}sliding_window must be a positive int for sliding_attention "
@@ -430,7 +431,7 @@ def _dspark_fields(d: dict, geo: dict, sc: dict | None, f: Findings) -> Served |
         f.err(
             "aux-layers", "config.json: 'aux_hidden_state_layer_ids' is missing (vLLM indexes it)"
         )
-    elif not isinstance(aux, list) or not aux or not all(_is_int(i) and i >= 0 for i in aux):
+    elif not isinstance(aux, list) or not aux or not all(is_int(i) and i >= 0 for i in aux):
         f.err(
             "aux-layers",
             f"config.json: 'aux_hidden_state_layer_ids' must be a non-empty list of "
@@ -453,14 +454,14 @@ def _dspark_fields(d: dict, geo: dict, sc: dict | None, f: Findings) -> Served |
             "the wrong slots, <1% acceptance)",
         )
     mask = d.get("mask_token_id")
-    if not _is_int(mask) or not 0 <= mask < geo["vocab_size"]:
+    if not is_int(mask) or not 0 <= mask < geo["vocab_size"]:
         f.err(
             "mask-token",
             f"config.json: 'mask_token_id' must be an int in [0, vocab_size="
             f"{geo['vocab_size']}) (vLLM fills the draft slots with it), got {mask!r}",
         )
     rank = d.get("markov_rank")
-    if not _is_int(rank) or rank <= 0:
+    if not is_int(rank) or rank <= 0:
         f.err(
             "markov-head",
             f"config.json: 'markov_rank' must be a positive int (vLLM always builds the "
@@ -477,12 +478,12 @@ def _dspark_fields(d: dict, geo: dict, sc: dict | None, f: Findings) -> Served |
     vd = d.get("draft_vocab_size", geo["vocab_size"])
     if vd is None:
         vd = geo["vocab_size"]
-    if not _is_int(vd) or vd <= 0:
+    if not is_int(vd) or vd <= 0:
         f.err(
             "verifier-vocab", f"config.json: 'draft_vocab_size' must be a positive int, got {vd!r}"
         )
     ths = d.get("target_hidden_size")
-    if ths is not None and (not _is_int(ths) or ths <= 0):
+    if ths is not None and (not is_int(ths) or ths <= 0):
         f.err(
             "verifier-hidden",
             f"config.json: 'target_hidden_size' must be a positive int or null, got {ths!r}",
@@ -494,7 +495,7 @@ def _dspark_fields(d: dict, geo: dict, sc: dict | None, f: Findings) -> Served |
             f.err("confidence-head", f"config.json: {name!r} must be bool, got {v!r}")
         flags[name] = v is True
     block = d.get("block_size")
-    if block is not None and (not _is_int(block) or block < 1):
+    if block is not None and (not is_int(block) or block < 1):
         f.err("spec-tokens", f"config.json: 'block_size' must be a positive int, got {block!r}")
         block = None
     if d.get("sliding_window_non_causal") is True and geo["sliding"]:
