@@ -13,6 +13,14 @@ vllm_rules_probe.py) and by our code here, which must agree on every case.
 * The layer ids (launch/hs_files.py ``resolve_layer_ids``, what launch_vllm serves and
   the trainer reads slot by slot) vs ``EagleModelMixin._set_aux_hidden_state_layers``:
   our slot order is the order vLLM captures the served ids in.
+* The DSpark config (dspark_jax/convert/vllm_rules.py ``check``'s ``Served``, and the
+  trained :class:`DSparkConfig`) vs the config vLLM builds from the exported config.json
+  (``get_config``: ``SpeculatorsConfig``/``update_dspark``, ``patch_rope_parameters``),
+  ``maybe_override_with_speculators`` (``vllm serve <folder>``) and
+  ``qwen3_dflash._resolve_layer_attention``: geometry, vocabularies, aux and target layer
+  ids, mask token, heads, block size, vLLM's defaults for fields left out, every layer's
+  sliding window and causality, RoPE parameters; check's refusals (a non-causal sliding
+  window, a verifier name the folder form rejects) are where vLLM differs.
 
 Rules that live only inside GPU-bound classes keep their copies (tests/launch/
 test_vllm_dtype.py, test_mla.py, test_launch_vllm.py cite vLLM's files).
