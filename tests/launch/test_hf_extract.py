@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from launch.hf_extract import HFExtractor
 from launch.hs_files import resolve_layer_ids
 from tests.converters.helpers import tree_digest
+from tests.numerics import U, assert_within
 
 from .conftest import DEMO_TARGET_LAYERS
 from .test_launch_vllm import speculators_launcher_ids
@@ -55,13 +56,68 @@ def test_slots_are_residual_stream_and_last_is_prenorm(verifier_path, demo_token
         )
 
 
-def test_batched_extraction_matches_single_rows(extractor, demo_tokenizer):
+def _bf16_spacing(x: torch.Tensor) -> torch.Tensor:
+    """The gap between adjacent bf16 numbers in |x|'s binade (8 significant bits)."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)))
+    return torch.exp2(e - 7)
+
+
+def _residual_abs_evaluation(ex: HFExtractor, ids) -> torch.Tensor:
+    """[T, len(layer_ids), H] float64: per slot k, |embedding| + the sum over layers < k of
+    |W_o| @ |a_o| + |W_down| @ |a_down| (a: those projections' fp32 inputs), the absolute
+    evaluation of the residual stream's last step in each sublayer."""
+    stores: list[tuple[torch.nn.Linear, list]] = []
+    handles = []
+    for layer in ex.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            store: list = []
+            stores.append((proj, store))
+            handles.append(proj.register_forward_pre_hook(lambda _m, a, s=store: s.append(a[0])))
+    try:
+        with torch.inference_mode():
+            ex.decoder(input_ids=torch.tensor([ids]), use_cache=False)
+            steps = [ex.model.get_input_embeddings()(torch.tensor(ids)).double().abs()]
+            for i in range(0, len(stores), 2):  # one decoder layer: attention out, MLP out
+                pairs = stores[i : i + 2]
+                steps.append(
+                    steps[-1]
+                    + sum(s[0][0].double().abs() @ p.weight.double().abs().T for p, s in pairs)
+                )
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack([steps[k] for k in ex.layer_ids], dim=1)
+
+
+def test_batched_extraction_matches_single_rows(fp32_extractor, demo_tokenizer):
+    """A padded batch stores what one-row forwards store, up to one bf16 rounding step.
+
+    The forward runs in fp32 (the CPU default; in a bf16 forward a one-ulp flip in layer 1
+    propagates, which has no tight a-priori bound). The batched and the one-row fp32 forwards
+    differ only in accumulation order (kernel shapes, the padding mask; right padding is
+    never seen by a real position): per entry by <= delta = 2 depth U S (tests/numerics.py's
+    backward-error model), S the absolute evaluation of the residual stream
+    (_residual_abs_evaluation), depth the longest fp32 chain (per layer: input norm, q/k/v
+    and post norm H each, q/k norms and scores head_dim each, softmax and P V T each, o_proj
+    heads * head_dim, down intermediate, + 16 elementwise). Each is then rounded once to bf16,
+    a monotone rounding, so the stored values differ by <= delta + one bf16 spacing of the
+    larger. A batched path off by 1% at one position (which rtol=atol=0.02 let through)
+    fails it."""
+    ex = fp32_extractor
+    assert ex.compute_dtype == torch.float32 and ex.dtype == torch.bfloat16
+    c = ex.model.config
     rows = [_ids(demo_tokenizer, "x = 1\n" * k) for k in (1, 5, 12)]
-    single = [extractor.extract([r])[0] for r in rows]
-    batched = extractor.extract(rows)
+    T = max(len(r) for r in rows)
+    per_layer = 3 * c.hidden_size + 2 * c.head_dim + 2 * T
+    per_layer += c.num_attention_heads * c.head_dim + c.intermediate_size + 16
+    depth = c.num_hidden_layers * per_layer
+    single = [ex.extract([r])[0] for r in rows]
+    batched = ex.extract(rows)
     for s, b, r in zip(single, batched, rows):
-        assert b.shape == (len(r), len(DEMO_TARGET_LAYERS) + 1, extractor.hidden_size)
-        torch.testing.assert_close(b.float(), s.float(), rtol=0.02, atol=0.02)
+        assert b.shape == (len(r), len(DEMO_TARGET_LAYERS) + 1, ex.hidden_size)
+        S = _residual_abs_evaluation(ex, r)
+        spacing = _bf16_spacing(torch.maximum(b.double().abs(), s.double().abs()))
+        assert_within(b.double(), s.double(), spacing + 2 * depth * U * S, f"row of {len(r)}")
 
 
 def test_layer_id_resolution():

@@ -15,6 +15,13 @@ launchers copy, on every case of a JSON file, one JSON line of answers.
 * ``aux``: ``EagleModelMixin._set_aux_hidden_state_layers``
   (``vllm/model_executor/models/interfaces.py``): the order vLLM captures the aux layers
   of ``eagle_aux_hidden_state_layer_ids`` in.
+* ``dspark``: the draft config vLLM builds from an exported folder:
+  ``vllm/transformers_utils/config.py`` ``get_config`` (``SpeculatorsConfig.from_pretrained``
+  -> ``update_dspark`` in ``configs/speculators/algos.py``, then ``patch_rope_parameters``),
+  ``maybe_override_with_speculators`` (the speculative config and verifier of
+  ``vllm serve <folder>``) and, per draft layer, ``qwen3_dflash._resolve_layer_attention``
+  (sliding window, causal inside the block). The model classes that read the config need a
+  GPU: their getattr defaults are copied here, each citing its line.
 """
 
 from __future__ import annotations
@@ -119,9 +126,80 @@ def aux_cases(cases: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def _layer_attention(config, num_layers: int) -> list:
+    """(sliding window, causal) per draft layer, as Qwen3DSpark's decoder layers build it."""
+    import vllm.model_executor.models.qwen3_dflash as qd
+
+    class V2:  # mixed sliding/full layers need Model Runner V2 (the default with Triton)
+        use_v2_model_runner = True
+
+    qd.get_current_vllm_config = lambda: V2()
+    out = []
+    for i in range(num_layers):
+        try:
+            window, causal = qd._resolve_layer_attention(config, i)
+            out.append([window, bool(causal)])
+        except (ValueError, NotImplementedError) as e:
+            out.append(f"error: {e}")
+    return out
+
+
+def dspark_cases(folders: list[str]) -> list[dict]:
+    from vllm.transformers_utils.config import get_config, maybe_override_with_speculators
+
+    out = []
+    for folder in folders:
+        try:
+            c = get_config(folder, trust_remote_code=False)
+        except Exception as e:  # vLLM refuses the config: report, do not stop
+            out.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        try:
+            verifier, _, spec = maybe_override_with_speculators(folder, folder, False)
+            spec = {"method": spec["method"], "tokens": spec["num_speculative_tokens"]}
+        except ValueError as e:
+            verifier, spec = f"error: {e}", None
+        ans = {
+            name: getattr(c, name, None)
+            for name in (
+                "architectures",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "num_hidden_layers",
+                "vocab_size",
+                "max_position_embeddings",
+                "rms_norm_eps",
+                "hidden_act",
+                "target_hidden_size",  # qwen3_dflash.py:91 getattr(..., None)
+                "eagle_aux_hidden_state_layer_ids",
+                "target_layer_ids",
+                "mask_token_id",  # qwen3_dflash.py:454 (no dflash_config in DSpark)
+                "markov_rank",
+                "markov_head_type",
+                "block_size",  # speculative.py:1596 getattr(..., None)
+                "sample_from_anchor",
+                "dspark_bonus_anchor",
+                "rope_parameters",
+            )
+        }
+        # qwen3_dflash.py:345 + :199: head_dim or hidden_size // num_heads
+        ans["head_dim"] = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        ans["attention_bias"] = getattr(c, "attention_bias", False)  # qwen3_dflash.py:339
+        # qwen3_dspark.py:207 draft vocab; :220-221 the confidence head (default off)
+        ans["draft_vocab_size"] = getattr(c, "draft_vocab_size", None) or c.vocab_size
+        ans["enable_confidence_head"] = getattr(c, "enable_confidence_head", False)
+        ans["confidence_head_with_markov"] = getattr(c, "confidence_head_with_markov", False)
+        ans["layers"] = _layer_attention(c, c.num_hidden_layers)
+        ans["verifier"], ans["spec"] = verifier, spec
+        out.append(ans)
+    return out
+
+
 def main() -> None:
     cases = json.loads(open(sys.argv[1]).read())
-    rules = {"dtype": dtype_cases, "mla": mla_cases, "aux": aux_cases}
+    rules = {"dtype": dtype_cases, "mla": mla_cases, "aux": aux_cases, "dspark": dspark_cases}
     print("RESULT " + json.dumps({k: rules[k](v) for k, v in cases.items()}))
 
 

@@ -175,6 +175,11 @@ def test_bf16_compute_tracks_fp32():
     # errors (uniform, sd 2^-8 / sqrt(3) relative) a stage whose values x move L by
     # dL/dx . dx has sd 2^-8 / sqrt(3) ||dL/dx * x||_2: 6 sd over 40 stages, each bounded
     # by the inputs' ||dL/dx * x||_2 (computed here, weights and inputs): ~4e-2 on 2.35.
+    # (6 sd of a normal: false alarm ~2e-9.) No tighter a-priori bound: the round-off is a
+    # sum of ~40 stages whose own sensitivities are not computed here, so the worst case is
+    # 6x larger still. Planted: the final norm skipped in bf16 only moves the loss by 0.35 and
+    # fails; bf16-only slips below the round-off spread (the context's hidden_norm skipped:
+    # 3e-3, vs 1.6e-3 of plain round-off here) cannot be told from round-off by one loss.
     graphdef, params = nnx.split(m32)
     floats = {k: v for k, v in batch.items() if v.dtype == jnp.float32}
 
