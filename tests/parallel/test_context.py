@@ -82,12 +82,9 @@ def test_the_trainer_refuses_a_split_it_cannot_feed():
     parallel.check_context_split(_mesh("fsdp=2,context=4"), 64)
     with pytest.raises(ValueError, match="--total-seq-len 66 must be a multiple of the mesh's"):
         parallel.check_context_split(_mesh("fsdp=2,context=4"), 66)
-    # A context group over two processes: the pipeline gives each process whole rows.
-    devices = np.empty((1, 1, 2, 1), object)
-    devices[0, 0, :, 0] = [SimpleNamespace(process_index=i) for i in (0, 1)]
-    mesh = SimpleNamespace(shape={"context": 2}, axis_names=parallel.MESH_AXES, devices=devices)
-    with pytest.raises(ValueError, match="--mesh context=2 spans processes"):
-        parallel.check_context_split(mesh, 64)
+    # One process holds every row whole; a context group over processes (each holding
+    # its tokens) and the refusal of interleaved tokens: tests/train/test_multiprocess.py.
+    assert parallel.process_rows(_mesh("fsdp=2,context=4"), 4, 64) == (range(0, 4), (0, 64))
 
 
 @pytest.mark.parametrize("spec", MESHES)
