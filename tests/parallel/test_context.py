@@ -87,6 +87,24 @@ def test_the_trainer_refuses_a_split_it_cannot_feed():
     assert parallel.process_rows(_mesh("fsdp=2,context=4"), 4, 64) == (range(0, 4), (0, 64))
 
 
+def test_global_batch_puts_whole_rows_of_one_process_on_the_mesh():
+    """One process: its batch holds every row whole; global_batch splits it over the
+    (data, fsdp) rows and context tokens, bit for bit, and checks the row count."""
+    mesh = _mesh("data=2,fsdp=2,context=2")
+    rng = np.random.default_rng(0)
+    local = {
+        "hidden_states": rng.standard_normal((4, 64, 6)).astype(np.float32),
+        "input_ids": rng.integers(0, 100, (4, 64)).astype(np.int32),
+        "error_records": np.arange(4, dtype=np.int32),
+    }
+    out = parallel.global_batch(local, mesh, 4)
+    for k, v in local.items():
+        assert out[k].sharding.is_equivalent_to(parallel.batch_sharding(mesh, v.ndim), v.ndim)
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
+    with pytest.raises(ValueError, match="has 4 rows; this process holds range"):
+        parallel.global_batch(local, mesh, 8)
+
+
 @pytest.mark.parametrize("spec", MESHES)
 def test_sequence_take(spec):
     x = jnp.arange(64 * 3, dtype=jnp.float32).reshape(64, 3)
