@@ -183,8 +183,8 @@ def tracing_mesh(mesh: jax.sharding.Mesh):
 
 def check_context_split(mesh: jax.sharding.Mesh, seq_len: int, rows: int | None = None) -> None:
     """Raise ValueError unless rows of seq_len tokens split evenly over the context axis
-    and every process's part of a batch of ``rows`` rows (default: one per data x fsdp
-    shard) is one block of rows x tokens (:func:`process_rows`): a context group may
+    and every process holds one token range of each of its rows of a batch of ``rows``
+    rows (default: one per data x fsdp shard; :func:`process_rows`): a context group may
     span processes, each then reads only its tokens' hidden states."""
     c = mesh.shape[CONTEXT_AXIS]
     if seq_len % c:
@@ -196,15 +196,17 @@ def check_context_split(mesh: jax.sharding.Mesh, seq_len: int, rows: int | None 
 
 def process_rows(
     mesh: jax.sharding.Mesh, rows: int, seq_len: int, process_index: int | None = None
-) -> tuple[range, tuple[int, int]]:
-    """The rows and tokens ``(range(r0, r1), (lo, hi))`` of a [rows, seq_len] batch
+) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """The rows and tokens ``((r, ...), (lo, hi))`` of a [rows, seq_len] batch
     (:func:`batch_sharding`) that a process's devices hold.
 
-    Every process builds exactly that block (data.pipeline.ProcessRows): the token
-    range is the whole row unless the context axis spans processes. Raises ValueError
-    when the process's devices hold no single block (e.g. a context group whose
-    processes hold interleaved token ranges: the mesh's device order must keep each
-    process's shards of a row contiguous).
+    Every process builds exactly those rows (sorted; they need not be consecutive: a
+    slice's device order may give a host rows 0 and 2) and, of each, the hidden states of
+    tokens ``[lo, hi)`` (data.pipeline.ProcessRows): the whole row unless the context
+    axis spans processes. ``jax.make_array_from_process_local_data`` places them.
+    Raises ValueError when the process's shards are no grid of rows x one token range
+    (e.g. a context group whose processes hold interleaved token ranges: the mesh's
+    device order must keep each process's shards of a row contiguous).
     """
     p = jax.process_index() if process_index is None else process_index
     index = batch_sharding(mesh, 2).devices_indices_map((rows, seq_len))
@@ -215,18 +217,19 @@ def process_rows(
     }
     if not mine:
         raise ValueError(f"process {p} holds no device of the mesh")
-    r0, r1 = min(r[0] for r, _ in mine), max(r[1] for r, _ in mine)
-    lo, hi = min(t[0] for _, t in mine), max(t[1] for _, t in mine)
-    covered = sum((r[1] - r[0]) * (t[1] - t[0]) for r, t in mine)
-    if covered != (r1 - r0) * (hi - lo):
+    row_shards = sorted({r for r, _ in mine})
+    token_shards = sorted({t for _, t in mine})
+    lo, hi = token_shards[0][0], token_shards[-1][1]
+    contiguous = all(a[1] == b[0] for a, b in zip(token_shards, token_shards[1:], strict=False))
+    if len(mine) != len(row_shards) * len(token_shards) or not contiguous:
         shards = ", ".join(f"rows {r[0]}:{r[1]} tokens {t[0]}:{t[1]}" for r, t in sorted(mine))
         raise ValueError(
             f"--mesh {dict(mesh.shape)}: process {p}'s devices hold {shards} of the "
-            f"[{rows}, {seq_len}] batch, not one block of rows x tokens; the data "
-            "pipeline builds one block per process (order the mesh so each process's "
-            "context shards are neighbours)"
+            f"[{rows}, {seq_len}] batch, not the same token range of each of its rows; the "
+            "data pipeline builds one token range per process (order the mesh so each "
+            "process's context shards are neighbours)"
         )
-    return range(r0, r1), (lo, hi)
+    return tuple(i for a, b in row_shards for i in range(a, b)), (lo, hi)
 
 
 def row_vmap_axes() -> tuple[str, ...] | None:
@@ -299,7 +302,8 @@ def global_batch(
 ) -> dict[str, jax.Array]:
     """This process's part of a step's batch -> global arrays (multi-host safe).
 
-    ``local``: the pipeline's batch of the process's rows (:func:`process_rows`): the
+    ``local``: the pipeline's batch of the process's rows (:func:`process_rows`, in
+    their global order), the
     hidden states of its tokens ``[lo, hi)`` only, token ids and masks [R, S] whole
     (cut to ``[lo, hi)`` here). ``rows``: global rows (default: one per data x fsdp
     shard). Rows split over (data, fsdp), tokens over context.
@@ -310,7 +314,10 @@ def global_batch(
     out = {}
     for k, v in local.items():
         if v.shape[0] != len(rows_here):
-            raise ValueError(f"batch[{k!r}] has {v.shape[0]} rows; this process holds {rows_here}")
+            raise ValueError(
+                f"batch[{k!r}] has {v.shape[0]} rows; this process holds {len(rows_here)} "
+                f"of the {rows}"
+            )
         if v.ndim >= 2 and v.shape[1] == seq_len and hi - lo != seq_len:
             v = v[:, lo:hi]  # whole-row ids and masks: this process's tokens
         if v.ndim >= 2 and v.shape[1] != hi - lo:

@@ -2,8 +2,9 @@
 
 One step is one packed row of ``total_seq_len`` S tokens per data-parallel rank, as
 in speculators 0.9.0. A process owns ``rows_per_process`` R consecutive ranks
-(``process_index * R ... + R - 1`` of ``process_count * R``) and gets, per step, a
-dict of host numpy arrays with leading axis R (see :class:`RowBuffers`):
+(``process_index * R ... + R - 1`` of ``process_count * R``), or the ranks its devices
+hold (:class:`ProcessRows`, from the mesh), and gets, per step, a dict of host numpy
+arrays with leading axis R (see :class:`RowBuffers`):
 
 ======================================  ================  ================================
 key                                     shape             dtype
@@ -104,14 +105,14 @@ _AUTO_DTYPE = {
 class ProcessRows:
     """Which part of each step's batch one process builds.
 
-    ``ranks``: the global rows (data-parallel ranks) it feeds, of ``num_ranks`` per
-    step; ``tokens``: ``(lo, hi)``, the tokens of those rows whose hidden states it
-    holds (None: all). Processes that share a row (its tokens split over them) have
+    ``ranks``: the global rows (data-parallel ranks, ascending) it feeds, of
+    ``num_ranks`` per step; ``tokens``: ``(lo, hi)``, the tokens of those rows whose
+    hidden states it holds (None: all). Processes that share a row (its tokens split over them) have
     the same ranks and disjoint ``tokens``; ``parallel.process_rows`` derives it from
     the mesh.
     """
 
-    ranks: range
+    ranks: Sequence[int]
     num_ranks: int
     tokens: tuple[int, int] | None = None
 
@@ -148,7 +149,7 @@ class StepLoader:
         dataset: PreparedDataset,
         hidden_states_dir: Path,
         plan: EpochPlan,
-        ranks: range,
+        ranks: Sequence[int],
         split_start: int,
         *,
         total_seq_len: int,
@@ -410,7 +411,12 @@ class PackedData:
         lo, hi = process_rows.tokens or (0, total_seq_len)
         if not 0 <= lo < hi <= total_seq_len:
             raise ValueError(f"process_rows.tokens [{lo}, {hi}) not in [0, {total_seq_len})")
-        if len(process_rows.ranks) == 0 or process_rows.ranks.stop > process_rows.num_ranks:
+        ranks = list(process_rows.ranks)
+        if (
+            not ranks
+            or ranks != sorted(set(ranks))
+            or not 0 <= ranks[0] <= ranks[-1] < (process_rows.num_ranks)
+        ):
             raise ValueError(f"process_rows {process_rows} feeds no row of the step")
         if (lo, hi) != (0, total_seq_len) and online is not None:
             raise ValueError(
@@ -470,7 +476,7 @@ class PackedData:
         return self.process_rows.num_ranks
 
     @property
-    def ranks(self) -> range:
+    def ranks(self) -> Sequence[int]:
         """The global ranks (rows) this process feeds."""
         return self.process_rows.ranks
 

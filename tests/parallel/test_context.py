@@ -84,7 +84,7 @@ def test_the_trainer_refuses_a_split_it_cannot_feed():
         parallel.check_context_split(_mesh("fsdp=2,context=4"), 66)
     # One process holds every row whole; a context group over processes (each holding
     # its tokens) and the refusal of interleaved tokens: tests/train/test_multiprocess.py.
-    assert parallel.process_rows(_mesh("fsdp=2,context=4"), 4, 64) == (range(0, 4), (0, 64))
+    assert parallel.process_rows(_mesh("fsdp=2,context=4"), 4, 64) == ((0, 1, 2, 3), (0, 64))
 
 
 def test_global_batch_puts_whole_rows_of_one_process_on_the_mesh():
@@ -101,7 +101,7 @@ def test_global_batch_puts_whole_rows_of_one_process_on_the_mesh():
     for k, v in local.items():
         assert out[k].sharding.is_equivalent_to(parallel.batch_sharding(mesh, v.ndim), v.ndim)
         np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
-    with pytest.raises(ValueError, match="has 4 rows; this process holds range"):
+    with pytest.raises(ValueError, match="has 4 rows; this process holds 8 of the 8"):
         parallel.global_batch(local, mesh, 8)
 
 

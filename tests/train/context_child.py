@@ -23,12 +23,12 @@ def main() -> int:
     args = cli.resolve(sys.argv[1:])
     parallel.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     seq = args.total_seq_len
-    # Interleaved: process 0 would hold tokens 0:16 and 32:48 of a row, no one block.
+    # Interleaved: process 0 would hold tokens 0:16 and 32:48 of a row, no one range.
     devices = sorted(jax.devices(), key=lambda d: (d.id % 2, d.process_index))
     try:
         parallel.check_context_split(parallel.make_mesh("context=4", devices), seq)
     except ValueError as e:
-        assert "not one block of rows x tokens" in str(e), e
+        assert "not the same token range of each of its rows" in str(e), e
     else:
         raise AssertionError("an interleaved context group was accepted")
 
