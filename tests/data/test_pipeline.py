@@ -246,6 +246,21 @@ def test_a_process_holding_part_of_each_row_reads_only_those_tokens(tiny_data, t
     assert sum(views) == sum(int((w["document_ids"][:, lo:hi] >= 0).sum()) for w in whole)
 
 
+def test_part_of_each_row_from_fp8_files_reads_those_rows_and_scales(tmp_path):
+    """fp8 files are read with pread (rows and their scales from ``first_token``): the
+    part equals the whole-row batch's slice after dequantisation."""
+    d = make_tiny_data(tmp_path, fp8=True, n_docs=12)
+    kw = d.kwargs(train_data_ratio=1.0)
+    whole = list(PackedData(d.data_path, **kw).train_iterator(num_epochs=1))
+    rows = ProcessRows((0,), 1, (16, 48))
+    part = list(PackedData(d.data_path, **kw, process_rows=rows).train_iterator(num_epochs=1))
+    assert len(part) == len(whole) > 0
+    for b, w in zip(part, whole, strict=True):
+        for k in ("hidden_states", "verifier_last_hidden_states"):
+            assert b[k].dtype == np.float32
+            np.testing.assert_array_equal(b[k], w[k][:, 16:48], err_msg=k)
+
+
 def test_a_bad_sample_in_part_of_a_row_is_skipped_alike_or_stops(tiny_copy):
     """Missing or mismatched files (seen by every process) are skipped as without the split,
     so the processes sharing a row pack the same documents; non-finite values seen in one
