@@ -25,6 +25,8 @@ ROWS=(
   "v6e-8_fsdp8_r8_remat tpu:v6e:2x4 fsdp=8 8 --gradient-checkpointing"
   "v5e-16_fsdp16_r16_remat tpu:v5e:4x4 fsdp=16 16 --gradient-checkpointing"
   "v5p-16_fsdp8_r16 tpu:v5p:2x2x2 fsdp=8 16"
+  # issue 29: 256K-token rows, each over 2 chips (context), 4 rows per step
+  "v5p-16_fsdp4_ctx2_s256k_remat tpu:v5p:2x2x2 fsdp=4,context=2 4 --gradient-checkpointing --total-seq-len 262144"
 )
 
 for row in "${ROWS[@]}"; do

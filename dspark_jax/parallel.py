@@ -181,20 +181,55 @@ def tracing_mesh(mesh: jax.sharding.Mesh):
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
-def check_context_split(mesh: jax.sharding.Mesh, seq_len: int) -> None:
-    """Raise ValueError unless rows of seq_len tokens split evenly over the context axis,
-    and each context group's devices belong to one process (the data pipeline hands
-    each process whole rows)."""
+def check_context_split(mesh: jax.sharding.Mesh, seq_len: int, rows: int | None = None) -> None:
+    """Raise ValueError unless rows of seq_len tokens split evenly over the context axis
+    and every process holds one token range of each of its rows of a batch of ``rows``
+    rows (default: one per data x fsdp shard; :func:`process_rows`): a context group may
+    span processes, each then reads only its tokens' hidden states."""
     c = mesh.shape[CONTEXT_AXIS]
     if seq_len % c:
         raise ValueError(f"--total-seq-len {seq_len} must be a multiple of the mesh's context={c}")
-    axis = mesh.axis_names.index(CONTEXT_AXIS)
-    groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, c)
-    if any(len({d.process_index for d in g}) > 1 for g in groups):
+    rows = rows_per_step(mesh) if rows is None else rows
+    for p in sorted({d.process_index for d in mesh.devices.flat}):
+        process_rows(mesh, rows, seq_len, p)
+
+
+def process_rows(
+    mesh: jax.sharding.Mesh, rows: int, seq_len: int, process_index: int | None = None
+) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """The rows and tokens ``((r, ...), (lo, hi))`` of a [rows, seq_len] batch
+    (:func:`batch_sharding`) that a process's devices hold.
+
+    Every process builds exactly those rows (sorted; they need not be consecutive: a
+    slice's device order may give a host rows 0 and 2) and, of each, the hidden states of
+    tokens ``[lo, hi)`` (data.pipeline.ProcessRows): the whole row unless the context
+    axis spans processes. ``jax.make_array_from_process_local_data`` places them.
+    Raises ValueError when the process's shards are no grid of rows x one token range
+    (e.g. a context group whose processes hold interleaved token ranges: the mesh's
+    device order must keep each process's shards of a row contiguous).
+    """
+    p = jax.process_index() if process_index is None else process_index
+    index = batch_sharding(mesh, 2).devices_indices_map((rows, seq_len))
+    mine = {
+        tuple(sl.indices(n)[:2] for sl, n in zip(ix, (rows, seq_len), strict=True))
+        for d, ix in index.items()
+        if d.process_index == p
+    }
+    if not mine:
+        raise ValueError(f"process {p} holds no device of the mesh")
+    row_shards = sorted({r for r, _ in mine})
+    token_shards = sorted({t for _, t in mine})
+    lo, hi = token_shards[0][0], token_shards[-1][1]
+    contiguous = all(a[1] == b[0] for a, b in zip(token_shards, token_shards[1:], strict=False))
+    if len(mine) != len(row_shards) * len(token_shards) or not contiguous:
+        shards = ", ".join(f"rows {r[0]}:{r[1]} tokens {t[0]}:{t[1]}" for r, t in sorted(mine))
         raise ValueError(
-            f"--mesh context={c} spans processes; the data pipeline gives each process "
-            "whole rows, so a row's tokens must stay on one process's devices"
+            f"--mesh {dict(mesh.shape)}: process {p}'s devices hold {shards} of the "
+            f"[{rows}, {seq_len}] batch, not the same token range of each of its rows; the "
+            "data pipeline builds one token range per process (order the mesh so each "
+            "process's context shards are neighbours)"
         )
+    return tuple(i for a, b in row_shards for i in range(a, b)), (lo, hi)
 
 
 def row_vmap_axes() -> tuple[str, ...] | None:
@@ -262,13 +297,33 @@ def rows_per_step(mesh: jax.sharding.Mesh, rows_per_replica: int = 1) -> int:
     return rows_per_replica * mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def global_batch(local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    """This process's rows -> global arrays sharded over (data, fsdp) (multi-host safe)."""
+def global_batch(
+    local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh, rows: int | None = None
+) -> dict[str, jax.Array]:
+    """This process's part of a step's batch -> global arrays (multi-host safe).
+
+    ``local``: the pipeline's batch of the process's rows (:func:`process_rows`, in
+    their global order), the
+    hidden states of its tokens ``[lo, hi)`` only, token ids and masks [R, S] whole
+    (cut to ``[lo, hi)`` here). ``rows``: global rows (default: one per data x fsdp
+    shard). Rows split over (data, fsdp), tokens over context.
+    """
+    rows = rows_per_step(mesh) if rows is None else rows
+    seq_len = int(local["input_ids"].shape[1])
+    rows_here, (lo, hi) = process_rows(mesh, rows, seq_len)
     out = {}
-    n = jax.process_count()
     for k, v in local.items():
+        if v.shape[0] != len(rows_here):
+            raise ValueError(
+                f"batch[{k!r}] has {v.shape[0]} rows; this process holds {len(rows_here)} "
+                f"of the {rows}"
+            )
+        if v.ndim >= 2 and v.shape[1] == seq_len and hi - lo != seq_len:
+            v = v[:, lo:hi]  # whole-row ids and masks: this process's tokens
+        if v.ndim >= 2 and v.shape[1] != hi - lo:
+            raise ValueError(f"batch[{k!r}] has {v.shape[1]} tokens; this process holds {lo}:{hi}")
         sharding = batch_sharding(mesh, v.ndim)
-        global_shape = (v.shape[0] * n, *v.shape[1:])
+        global_shape = (rows, *((seq_len,) if v.ndim >= 2 else ()), *v.shape[2:])
         out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
     return out
 

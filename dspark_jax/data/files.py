@@ -158,38 +158,45 @@ class SafetensorsFile:
                 f"{self.path}: missing tensor {key!r} (found: {sorted(self._tensors)})"
             ) from None
 
-    def view(self, key: str, rows: int | None = None) -> np.ndarray:
-        """Tensor ``key`` (first ``rows`` rows) as a read-only memory-mapped array.
+    def _rows(self, t: TensorInfo, rows: int | None, start: int) -> tuple[tuple[int, ...], int]:
+        """Shape and byte offset (from the file start) of rows [start, start + rows)."""
+        shape = t.shape
+        if not shape:
+            return shape, t.begin
+        end = shape[0] if rows is None else min(start + rows, shape[0])
+        start = min(start, end)
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * t.np_dtype.itemsize
+        return (end - start, *shape[1:]), t.begin + start * row_bytes
+
+    def view(self, key: str, rows: int | None = None, start: int = 0) -> np.ndarray:
+        """Tensor ``key`` (rows ``start .. start + rows``; default to the end) as a
+        read-only memory-mapped array.
 
         No copy is made: copying out of the view is the only pass over the data (a
-        ``read`` then a copy is two). The mapping lives as long as the array.
+        ``read`` then a copy is two), and only the pages of those rows are touched.
+        The mapping lives as long as the array.
         """
         t = self.info(key)
-        shape = t.shape
-        if rows is not None and shape:
-            shape = (min(rows, shape[0]), *shape[1:])
+        shape, offset = self._rows(t, rows, start)
         nbytes = int(np.prod(shape, dtype=np.int64)) * t.np_dtype.itemsize
         if nbytes == 0:
             return np.zeros(shape, t.np_dtype)
-        mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.begin, shape=(nbytes,))
+        mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
         return mm.view(t.np_dtype).reshape(shape)
 
-    def read(self, key: str, rows: int | None = None) -> np.ndarray:
-        """Tensor ``key`` as an owned numpy array; only its first ``rows`` rows if given."""
+    def read(self, key: str, rows: int | None = None, start: int = 0) -> np.ndarray:
+        """Tensor ``key`` as an owned numpy array; only rows ``start .. start + rows``
+        if given."""
         t = self.info(key)
-        shape = t.shape
-        nbytes = t.end - t.begin
-        if rows is not None and shape:
-            rows = min(rows, shape[0])
-            shape = (rows, *shape[1:])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * t.np_dtype.itemsize
+        shape, offset = self._rows(t, rows, start)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * t.np_dtype.itemsize
         out = np.empty(shape, dtype=t.np_dtype)
         buf = memoryview(out.reshape(-1).view(np.uint8))
         fd = os.open(self.path, os.O_RDONLY)
         try:
             done = 0
             while done < nbytes:
-                got = os.preadv(fd, [buf[done:nbytes]], t.begin + done)
+                got = os.preadv(fd, [buf[done:nbytes]], offset + done)
                 if got == 0:
                     raise DataError(f"{self.path}: unexpected end of file reading {key!r}")
                 done += got
@@ -203,7 +210,8 @@ class SafetensorsFile:
 
 @dataclass
 class HiddenStates:
-    """The first ``n`` tokens of one ``hs_{i}.safetensors``.
+    """Tokens ``[first_token, n)`` of one ``hs_{i}.safetensors`` (``first_token`` 0 but
+    for a process that holds part of a row).
 
     ``values``: [n, n_aux+1, H] in ``dtype`` (fp8 files already dequantised);
     slot ``:-1`` are the aux layers (flattened layer-major to [n, n_aux*H] by the
@@ -224,6 +232,7 @@ def read_hidden_states(
     hidden_size: int,
     dtype: np.dtype,
     max_tokens: int | None = None,
+    first_token: int = 0,
     check_finite: bool = True,
     mmap: bool = False,
 ) -> HiddenStates:
@@ -236,6 +245,9 @@ def read_hidden_states(
       n_aux, hidden_size: expected geometry, ``hidden_states`` is [T, n_aux+1, H].
       dtype: output dtype of ``values`` (fp8 is dequantised into it).
       max_tokens: read only the first ``max_tokens`` tokens (the row truncates).
+      first_token: read from this token on: ``values`` holds tokens
+        ``[first_token, n)`` (a process that holds only part of a row's tokens,
+        docs/design.md "Context parallelism"). The token ids are checked whole.
       check_finite: reject NaN/inf in the tokens read (callers that copy the values
         anyway can pass False and run :func:`check_finite_values` on the copy, which
         is faster than a pass over the file pages).
@@ -270,6 +282,7 @@ def read_hidden_states(
         raise bad(problem)
     n_tokens, t = len(input_ids), hs.shape[0]
     n = n_tokens if max_tokens is None else min(max_tokens, n_tokens)
+    a = min(max(first_token, 0), n)  # tokens [a, n) are read
     if hs.dtype in FP8_DTYPES:
         if SCALES_KEY not in f:
             raise bad(f"{hs.dtype} hidden_states without {SCALES_KEY!r}")
@@ -279,15 +292,15 @@ def read_hidden_states(
                 f"{SCALES_KEY} must be float [T, 1, 1] = [{t}, 1, 1], got "
                 f"{sc.dtype}{list(sc.shape)}"
             )
-        q = f.read("hidden_states", rows=n)
-        scales = f.read(SCALES_KEY, rows=n).astype(np.float32)
+        q = f.read("hidden_states", rows=n - a, start=a)
+        scales = f.read(SCALES_KEY, rows=n - a, start=a).astype(np.float32)
         values = dequantize_fp8(q, scales, dtype)
         nbytes = q.nbytes + scales.nbytes
     elif hs.dtype in FLOAT_DTYPES:
         if mmap and hs.np_dtype == dtype:
-            raw = f.view("hidden_states", rows=n)
+            raw = f.view("hidden_states", rows=n - a, start=a)
         else:
-            raw = f.read("hidden_states", rows=n)
+            raw = f.read("hidden_states", rows=n - a, start=a)
         nbytes = raw.nbytes
         values = raw if raw.dtype == dtype else raw.astype(dtype)
     else:

@@ -150,10 +150,13 @@ def plan_epoch(
 class RowBuffers:
     """Host buffers of ``rows`` packed rows of ``S`` tokens (the batch layout).
 
-    hidden_states [R, S, n_aux*H] (``dtype``), verifier_last_hidden_states [R, S, H],
-    input_ids / loss_mask / position_ids [R, S] int32 (0 on padding), document_ids
-    [R, S] int32 (-1 on padding), error_records [R] int32 (documents dropped by the
-    skip/warn policy). ``fill[r]``: tokens used in row r; ``num_docs[r]``: documents.
+    hidden_states [R, hi - lo, n_aux*H] (``dtype``), verifier_last_hidden_states
+    [R, hi - lo, H]: the hidden states of the row's tokens ``[lo, hi)`` (``tokens``;
+    the whole row unless a process holds part of it, docs/design.md "Context
+    parallelism"); input_ids / loss_mask / position_ids [R, S] int32 (0 on padding),
+    document_ids [R, S] int32 (-1 on padding): the whole row (small ints; the anchors
+    are drawn from them); error_records [R] int32 (documents dropped by the skip/warn
+    policy). ``fill[r]``: tokens used in row r; ``num_docs[r]``: documents.
     """
 
     hidden_states: np.ndarray
@@ -165,6 +168,7 @@ class RowBuffers:
     error_records: np.ndarray
     fill: np.ndarray
     num_docs: np.ndarray
+    tokens: tuple[int, int] = (0, 0)  # [lo, hi): the row's tokens whose hidden states are held
 
     @classmethod
     def allocate(
@@ -175,12 +179,17 @@ class RowBuffers:
         hidden_size: int,
         dtype: np.dtype,
         zeros: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.zeros,
+        tokens: tuple[int, int] | None = None,
     ) -> RowBuffers:
-        """``zeros(shape, dtype)`` allocates the two hidden-state buffers (the big ones)."""
+        """``zeros(shape, dtype)`` allocates the two hidden-state buffers (the big ones),
+        of the tokens ``[lo, hi)`` = ``tokens`` (default: the whole row)."""
         r, s = rows, total_seq_len
+        lo, hi = (0, s) if tokens is None else tokens
+        if not 0 <= lo < hi <= s:
+            raise ValueError(f"tokens [{lo}, {hi}) must be a non-empty part of [0, {s})")
         return cls(
-            hidden_states=zeros((r, s, n_aux * hidden_size), dtype),
-            verifier_last_hidden_states=zeros((r, s, hidden_size), dtype),
+            hidden_states=zeros((r, hi - lo, n_aux * hidden_size), dtype),
+            verifier_last_hidden_states=zeros((r, hi - lo, hidden_size), dtype),
             input_ids=np.zeros((r, s), np.int32),
             loss_mask=np.zeros((r, s), np.int32),
             position_ids=np.zeros((r, s), np.int32),
@@ -188,6 +197,7 @@ class RowBuffers:
             error_records=np.zeros((r,), np.int32),
             fill=np.zeros((r,), np.int64),
             num_docs=np.zeros((r,), np.int64),
+            tokens=(lo, hi),
         )
 
     @property
@@ -198,23 +208,47 @@ class RowBuffers:
         """Tokens still free in row ``r``."""
         return self.total_seq_len - int(self.fill[r])
 
+    def held(self, r: int, length: int) -> tuple[int, int]:
+        """The next document's tokens ``[a, b)`` (of its ``length``, cut to the room)
+        whose hidden states these buffers hold: the ones to read (a == b: none)."""
+        off = int(self.fill[r])
+        n = min(length, self.total_seq_len - off)
+        lo, hi = self.tokens
+        a = min(max(lo - off, 0), max(n, 0))
+        return a, max(a, min(hi - off, n))
+
     def append(
-        self, r: int, input_ids: np.ndarray, loss_mask: np.ndarray, hidden: np.ndarray
+        self,
+        r: int,
+        input_ids: np.ndarray,
+        loss_mask: np.ndarray,
+        hidden: np.ndarray,
+        hidden_start: int = 0,
     ) -> int:
         """Append one document to row ``r``, cut to the room left; returns tokens taken.
 
-        input_ids, loss_mask: [T]; hidden: [n >= taken, n_aux+1, H] (aux slots then
-        the last layer), already in the buffer dtype.
+        input_ids, loss_mask: [T]; hidden: [m, n_aux+1, H] (aux slots then the last
+        layer), already in the buffer dtype, the document's tokens ``hidden_start ..
+        hidden_start + m``; it must cover :meth:`held` (more is ignored).
         """
         off = int(self.fill[r])
         n = min(len(input_ids), self.total_seq_len - off)
         if n <= 0:
             return 0
+        a, b = self.held(r, len(input_ids))
+        if a < b:
+            if hidden_start > a or hidden_start + hidden.shape[0] < b:
+                raise ValueError(
+                    f"hidden states of tokens [{hidden_start}, {hidden_start + hidden.shape[0]})"
+                    f" do not cover the held tokens [{a}, {b})"
+                )
+            k = hidden.shape[1] - 1
+            h = hidden.shape[2]
+            part = hidden[a - hidden_start : b - hidden_start]
+            dst = slice(off + a - self.tokens[0], off + b - self.tokens[0])
+            self.hidden_states[r, dst].reshape(b - a, k, h)[...] = part[:, :k]
+            self.verifier_last_hidden_states[r, dst] = part[:, k]
         sl = slice(off, off + n)
-        k = hidden.shape[1] - 1
-        h = hidden.shape[2]
-        self.hidden_states[r, sl].reshape(n, k, h)[...] = hidden[:n, :k]
-        self.verifier_last_hidden_states[r, sl] = hidden[:n, k]
         self.input_ids[r, sl] = input_ids[:n]
         self.loss_mask[r, sl] = loss_mask[:n]
         self.position_ids[r, sl] = np.arange(n, dtype=np.int32)
@@ -223,31 +257,40 @@ class RowBuffers:
         self.num_docs[r] += 1
         return n
 
+    def _local(self, start: int, stop: int) -> slice:
+        """Row tokens [start, stop) -> the held part, as a slice of the hidden buffers."""
+        lo, hi = self.tokens
+        a, b = max(start, lo), min(stop, hi)
+        return slice(a - lo, max(a, b) - lo)
+
     def first_non_finite(self, r: int, start: int, n: int) -> tuple[int, int] | None:
-        """(token, slot) of the first NaN/inf in tokens ``[start, start+n)`` of row r."""
+        """(token, slot) of the first NaN/inf in the held tokens of ``[start, start+n)``
+        of row r (token counted from ``start``)."""
         from dspark_jax.data.files import first_non_finite
 
+        sl = self._local(start, start + n)
+        m = sl.stop - sl.start
+        if m == 0:
+            return None
+        skip = sl.start + self.tokens[0] - start  # tokens of the range before the held part
         h = self.verifier_last_hidden_states.shape[2]
         k = self.hidden_states.shape[2] // h
         found = []
-        aux = first_non_finite(self.hidden_states[r, start : start + n].reshape(n, k, h))
+        aux = first_non_finite(self.hidden_states[r, sl].reshape(m, k, h))
         if aux is not None:
-            found.append((aux[0], aux[1]))
-        last = first_non_finite(self.verifier_last_hidden_states[r, start : start + n])
+            found.append((skip + aux[0], aux[1]))
+        last = first_non_finite(self.verifier_last_hidden_states[r, sl])
         if last is not None:
-            found.append((last[0], k))
+            found.append((skip + last[0], k))
         return min(found) if found else None
 
     def drop_last(self, r: int, start: int) -> None:
         """Undo the last :meth:`append` to row r, which began at token ``start``."""
         sl = slice(start, int(self.fill[r]))
-        for a in (
-            self.hidden_states,
-            self.verifier_last_hidden_states,
-            self.input_ids,
-            self.loss_mask,
-            self.position_ids,
-        ):
+        held = self._local(start, int(self.fill[r]))
+        self.hidden_states[r, held] = 0
+        self.verifier_last_hidden_states[r, held] = 0
+        for a in (self.input_ids, self.loss_mask, self.position_ids):
             a[r, sl] = 0
         self.document_ids[r, sl] = -1
         self.fill[r] = start

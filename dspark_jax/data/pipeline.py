@@ -2,14 +2,15 @@
 
 One step is one packed row of ``total_seq_len`` S tokens per data-parallel rank, as
 in speculators 0.9.0. A process owns ``rows_per_process`` R consecutive ranks
-(``process_index * R ... + R - 1`` of ``process_count * R``) and gets, per step, a
-dict of host numpy arrays with leading axis R (see :class:`RowBuffers`):
+(``process_index * R ... + R - 1`` of ``process_count * R``), or the ranks its devices
+hold (:class:`ProcessRows`, from the mesh), and gets, per step, a dict of host numpy
+arrays with leading axis R (see :class:`RowBuffers`):
 
 ======================================  ================  ================================
 key                                     shape             dtype
 ======================================  ================  ================================
-``hidden_states``                       [R, S, n_aux*H]   bf16 as stored (fp8 files: f32)
-``verifier_last_hidden_states``         [R, S, H]         same
+``hidden_states``                       [R, T, n_aux*H]   bf16 as stored (fp8 files: f32)
+``verifier_last_hidden_states``         [R, T, H]         same
 ``input_ids``                           [R, S]            int32 (0 on padding)
 ``loss_mask``                           [R, S]            int32 (0 on padding)
 ``position_ids``                        [R, S]            int32, restart at 0 per document
@@ -17,7 +18,13 @@ key                                     shape             dtype
 ``error_records``                       [R]               int32, documents skipped (policy)
 ======================================  ================  ================================
 
-Feed it to ``jax.make_array_from_process_local_data`` (:func:`to_global_arrays`).
+T = S, unless the process holds only the tokens ``[lo, hi)`` of its rows (a ``context``
+mesh axis over processes, :class:`ProcessRows`; docs/design.md "Context parallelism"):
+then T = hi - lo and only those tokens' hidden states are read (memory-mapped rows of
+the files); the token ids and masks are always whole rows.
+
+Feed it to ``jax.make_array_from_process_local_data`` (:func:`to_global_arrays`,
+``parallel.global_batch``).
 
 Epochs follow the reference: the train split is re-planned every epoch from
 ``seed + epoch`` (packing.py); the validation split (the tail rows, as in the
@@ -44,6 +51,7 @@ lives in this importable module (workers are spawned).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import os
@@ -93,6 +101,22 @@ _AUTO_DTYPE = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessRows:
+    """Which part of each step's batch one process builds.
+
+    ``ranks``: the global rows (data-parallel ranks, ascending) it feeds, of
+    ``num_ranks`` per step; ``tokens``: ``(lo, hi)``, the tokens of those rows whose
+    hidden states it holds (None: all). Processes that share a row (its tokens split over them) have
+    the same ranks and disjoint ``tokens``; ``parallel.process_rows`` derives it from
+    the mesh.
+    """
+
+    ranks: Sequence[int]
+    num_ranks: int
+    tokens: tuple[int, int] | None = None
+
+
 def _mark_absl_flags_parsed() -> None:
     # grain 0.2.18 reads an absl flag in mp_prefetch (google/grain#1355).
     from absl import flags
@@ -125,7 +149,7 @@ class StepLoader:
         dataset: PreparedDataset,
         hidden_states_dir: Path,
         plan: EpochPlan,
-        ranks: range,
+        ranks: Sequence[int],
         split_start: int,
         *,
         total_seq_len: int,
@@ -138,9 +162,11 @@ class StepLoader:
         online: OnlineSource | None = None,
         read_files: bool = True,
         tokens_only: bool = False,
+        tokens: tuple[int, int] | None = None,
     ):
         self.dataset = dataset
         self.tokens_only = tokens_only
+        self.tokens = tokens
         self.hidden_states_dir = Path(hidden_states_dir)
         self.plan = plan
         self.ranks = ranks
@@ -166,6 +192,7 @@ class StepLoader:
             self.hidden_size,
             _DTYPES[self.dtype],
             zeros=_shm_zeros if self.shared_memory else np.zeros,
+            tokens=self.tokens,
         )
         pending = self._start_generation(step) if self.online else {}
         for i, rank in enumerate(self.ranks):
@@ -232,13 +259,15 @@ class StepLoader:
             raise BadSampleError(
                 self.online.settings.endpoint, file_idx, "hidden-state generation failed"
             )
-        values = values[:room]
+        a, b = rows.held(i, len(values))
+        values = values[a:b]  # the tokens this process holds
         dtype = _DTYPES[self.dtype]
         rows.append(
             i,
             self.dataset.input_ids(file_idx),
             self.dataset.loss_mask(file_idx),
             values if values.dtype == dtype else values.astype(dtype),
+            hidden_start=a,
         )
 
     def _append_tokens(self, rows: RowBuffers, i: int, file_idx: int) -> None:
@@ -250,6 +279,9 @@ class StepLoader:
     def _append(self, rows: RowBuffers, i: int, file_idx: int, room: int) -> None:
         path = hs_path(self.hidden_states_dir, file_idx)
         input_ids = self.dataset.input_ids(file_idx)
+        # Only the tokens [a, b) whose hidden states this process holds are read (the
+        # whole file is validated: its header and token ids, same on every process).
+        a, b = rows.held(i, len(input_ids))
         # Memory-mapped read, copied once into the row; the finite check runs on the
         # copy (one pass over the file pages instead of two).
         hs = read_hidden_states(
@@ -259,23 +291,30 @@ class StepLoader:
             n_aux=self.n_aux,
             hidden_size=self.hidden_size,
             dtype=_DTYPES[self.dtype],
-            max_tokens=room,
+            max_tokens=min(room, b),
+            first_token=a,
             check_finite=False,
             mmap=True,
         )
         start = int(rows.fill[i])
-        n = rows.append(i, input_ids, self.dataset.loss_mask(file_idx), hs.values)
+        n = rows.append(i, input_ids, self.dataset.loss_mask(file_idx), hs.values, a)
         del hs
         if self.check_finite:
             bad_at = rows.first_non_finite(i, start, n)
             if bad_at is not None:
-                rows.drop_last(i, start)
-                raise BadSampleError(
-                    path,
-                    file_idx,
-                    f"hidden_states has non-finite values (first at token "
-                    f"{bad_at[0]}, slot {bad_at[1]})",
+                reason = (
+                    f"hidden_states has non-finite values (first at token {bad_at[0]}, "
+                    f"slot {bad_at[1]})"
                 )
+                if self.tokens is not None:
+                    # The processes holding the row's other tokens cannot see this: a
+                    # skip here would make them pack different rows.
+                    raise DataError(
+                        f"{path}: {reason}; the row's tokens are split over processes, "
+                        "so the sample cannot be skipped: repair or remove the file"
+                    )
+                rows.drop_last(i, start)
+                raise BadSampleError(path, file_idx, reason)
 
 
 class PackedData:
@@ -308,6 +347,9 @@ class PackedData:
       aux_hidden_state_layer_ids: the draft config's aux layers; when given (and the
         folder has launch/'s ``extraction_config.json``) they must be the layers the
         files hold. The record's slot count, last layer and H are checked regardless.
+      process_rows: the rows and tokens this process builds (:class:`ProcessRows`,
+        from the mesh: ``parallel.process_rows``); when given it replaces
+        rows_per_process/process_index/process_count.
     """
 
     def __init__(
@@ -330,6 +372,7 @@ class PackedData:
         online: OnlineSource | None = None,
         read_files: bool = True,
         tokens_only: bool = False,
+        process_rows: ProcessRows | None = None,
     ):
         if tokens_only:  # in-step backend: no file is read
             read_files = False
@@ -360,6 +403,26 @@ class PackedData:
             process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+        if process_rows is None:
+            r = rows_per_process
+            process_rows = ProcessRows(
+                range(process_index * r, (process_index + 1) * r), process_count * r
+            )
+        lo, hi = process_rows.tokens or (0, total_seq_len)
+        if not 0 <= lo < hi <= total_seq_len:
+            raise ValueError(f"process_rows.tokens [{lo}, {hi}) not in [0, {total_seq_len})")
+        ranks = list(process_rows.ranks)
+        if (
+            not ranks
+            or ranks != sorted(set(ranks))
+            or not 0 <= ranks[0] <= ranks[-1] < (process_rows.num_ranks)
+        ):
+            raise ValueError(f"process_rows {process_rows} feeds no row of the step")
+        if (lo, hi) != (0, total_seq_len) and online is not None:
+            raise ValueError(
+                "on_missing='generate' with a row's tokens split over processes: every "
+                "process would generate the whole document; use files"
+            )
         if aux_hidden_state_layer_ids is not None and len(aux_hidden_state_layer_ids) != n_aux:
             raise ValueError(
                 f"aux_hidden_state_layer_ids {list(aux_hidden_state_layer_ids)} "
@@ -384,7 +447,9 @@ class PackedData:
         self.n_aux = n_aux
         self.hidden_size = 0 if tokens_only else hidden_size  # in-step: no hidden width
         self.train_data_ratio = train_data_ratio
-        self.rows_per_process = rows_per_process
+        self.process_rows = process_rows
+        self.tokens = None if (lo, hi) == (0, total_seq_len) else (lo, hi)
+        self.rows_per_process = len(process_rows.ranks)
         self.process_index = process_index
         self.process_count = process_count
         self.seed = seed
@@ -408,13 +473,12 @@ class PackedData:
     @property
     def num_replicas(self) -> int:
         """Data-parallel rows per step over all processes."""
-        return self.process_count * self.rows_per_process
+        return self.process_rows.num_ranks
 
     @property
-    def ranks(self) -> range:
+    def ranks(self) -> Sequence[int]:
         """The global ranks (rows) this process feeds."""
-        r = self.rows_per_process
-        return range(self.process_index * r, (self.process_index + 1) * r)
+        return self.process_rows.ranks
 
     def split_range(self, split: Split) -> tuple[int, int]:
         """[start, stop) dataset rows (= hs file indices) of ``split``.
@@ -506,6 +570,7 @@ class PackedData:
             online=self.online,
             read_files=self.read_files,
             tokens_only=self.tokens_only,
+            tokens=self.tokens,
         )
 
     def epoch_dataset(

@@ -31,7 +31,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-DEFAULT_CONTEXT_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Powers of two from 256 to 1M (the longest rows the context mesh axis trains on); the
+# last bucket is open. Only the buckets a dataset reaches are reported (context_buckets).
+DEFAULT_CONTEXT_EDGES = (0, *(1 << k for k in range(8, 21)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +100,17 @@ def curve(
 
 
 def context_buckets(
-    context_pos: np.ndarray, edges: Sequence[int] = DEFAULT_CONTEXT_EDGES
+    context_pos: np.ndarray,
+    edges: Sequence[int] = DEFAULT_CONTEXT_EDGES,
+    longest: int | None = None,
 ) -> list[tuple[int, int | None, np.ndarray]]:
     """Split blocks by context length (the anchor's position in its document).
 
     Returns ``(lo, hi, selector)`` for buckets ``lo <= pos < hi`` (the last one open:
-    hi None) that hold at least one block; ``selector`` is a bool [n] array.
+    hi None) that hold at least one block or that the data reaches (``lo < longest``,
+    the longest document's length in tokens: an empty bucket there says the data had
+    that much context but no evaluated anchor in it); ``selector`` is a bool [n] array.
+    Buckets beyond the data are left out, so 1M-token edges do not fill short tables.
     """
     edges = sorted({int(e) for e in edges})
     if not edges or edges[0] != 0:
@@ -113,13 +120,15 @@ def context_buckets(
     for i, lo in enumerate(edges):
         hi = edges[i + 1] if i + 1 < len(edges) else None
         sel = (pos >= lo) & (pos < hi) if hi is not None else pos >= lo
-        if sel.any():
+        if sel.any() or (longest is not None and lo < longest):
             out.append((lo, hi, sel))
     return out
 
 
 def bucket_label(lo: int, hi: int | None) -> str:
     def k(v: int) -> str:
+        if v >= 1 << 20 and v % (1 << 20) == 0:
+            return f"{v >> 20}M"
         return f"{v // 1024}K" if v >= 1024 and v % 1024 == 0 else str(v)
 
     return f"{k(lo)}+" if hi is None else f"{k(lo)}-{k(hi)}"

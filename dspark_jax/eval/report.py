@@ -55,6 +55,8 @@ class DatasetBlocks:
     ``arrays``: the :mod:`dspark_jax.eval.slot_statistics` statistics ([n, B]) plus ``mask``
     [n, B], ``context_pos`` [n], ``row`` [n], ``document`` [n] and, with a confidence
     head, ``y_sampled`` [n, B] (realised accept/reject draws of the analytic rule).
+    ``longest_document``: the longest document's length in tokens (as read, after
+    truncation to the row), the context-length buckets the report shows reach it.
     """
 
     name: str
@@ -62,6 +64,7 @@ class DatasetBlocks:
     rows: int
     documents: int
     skipped_documents: int = 0
+    longest_document: int | None = None
 
     @property
     def blocks(self) -> int:
@@ -131,12 +134,15 @@ def build_report(
             "documents": ds.documents,
             "skipped_documents": ds.skipped_documents,
             "blocks": ds.blocks,
+            "longest_document": ds.longest_document,
             "acceptance": {
                 k: c.as_dict() for k, c in _curves(arrays, start=start, num_draft=num_draft).items()
             },
             "by_context": [],
         }
-        for lo, hi, sel in acceptance.context_buckets(arrays["context_pos"], context_edges):
+        for lo, hi, sel in acceptance.context_buckets(
+            arrays["context_pos"], context_edges, ds.longest_document
+        ):
             sub = ds.select(sel)
             curves = _curves(sub, start=start, num_draft=num_draft)
             entry["by_context"].append(

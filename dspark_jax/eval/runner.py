@@ -275,7 +275,7 @@ class Evaluator:
         total_rows = data.steps_per_epoch("train", 0)
         limit = total_rows if s.max_rows is None else min(total_rows, s.max_rows)
         it = data.train_iterator(num_epochs=1, num_workers=s.num_workers)
-        parts, rows, documents, skipped = [], 0, 0, 0
+        parts, rows, documents, skipped, longest = [], 0, 0, 0, 0
         t0 = time.time()
         try:
             for row_index, batch in enumerate(it):
@@ -283,7 +283,10 @@ class Evaluator:
                     break
                 skipped += int(batch["error_records"].sum())
                 row = {k: batch[k][0] for k in ROW_KEYS}
-                documents += len(np.unique(row["document_ids"][row["document_ids"] >= 0]))
+                in_doc = np.asarray(row["document_ids"]) >= 0
+                documents += len(np.unique(np.asarray(row["document_ids"])[in_doc]))
+                if in_doc.any():  # positions count from 0 in each document
+                    longest = max(longest, int(np.asarray(row["position_ids"])[in_doc].max()) + 1)
                 out = self.row(row, row_index)
                 rows += 1
                 if out is not None:
@@ -298,7 +301,7 @@ class Evaluator:
                 f"(anchor rule {s.anchor_rule!r}: needs supervised tokens, loss_mask == 1)"
             )
         arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        return report.DatasetBlocks(name, arrays, rows, documents, skipped)
+        return report.DatasetBlocks(name, arrays, rows, documents, skipped, longest)
 
 
 def add_realised_draws(blocks: report.DatasetBlocks, seed: int) -> None:

@@ -10,7 +10,8 @@ are read.
 
 Per device (the compiled SPMD program's ``memory_analysis()``): arguments (state,
 frozen verifier tensors, one batch), temporaries, outputs, aliases (the donated state)
-and their total, against the target's memory; the collectives in the optimised HLO;
+and their total, against the target's memory; the collectives in the optimised HLO
+(count and bytes) and the step's FLOPs (the compiler's count and the model's);
 whether it fits. The eval step runs while the optimizer state stays resident, so its
 total counts that state too. Exit status 1 when a step does not fit, or when the TPU
 compiler itself runs out of HBM (its message is printed).
@@ -47,6 +48,9 @@ COLLECTIVES = (
 )
 # An HLO instruction's opcode: `%name = type opcode(` (async pairs: opcode-start).
 _OPCODE = re.compile(r"=\s*[^=]*?\s([a-z][a-z0-9-]*)\(")
+# An array type in HLO text, e.g. bf16[4096,512]{1,0}: element type and dims.
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_ELEMENT_BITS = {"pred": 8, "bf16": 16}
 # The TPU compiler's out-of-memory error (RESOURCE_EXHAUSTED ... "Ran out of memory").
 _OOM = ("RESOURCE_EXHAUSTED", "Ran out of memory", "exceeds the memory")
 HF_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -65,6 +69,8 @@ class StepMemory:
     shared: int = 0  # arguments passed twice as one buffer (the heads), counted once
     code: int = 0
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    flops: float | None = None  # XLA's cost analysis of the per-device program
     error: str | None = None  # the compiler refused (out of memory)
 
     @property
@@ -139,6 +145,73 @@ def collectives(hlo_text: str) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
+def _array_bytes(text: str) -> int:
+    """Bytes of the array types in a piece of HLO text (tuples: their elements)."""
+    total = 0
+    for kind, dims in _ARRAY.findall(text):
+        bits = _ELEMENT_BITS.get(kind) or int(re.sub(r"\D", "", kind.split("e")[0]) or 8)
+        n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+        total += n * bits // 8
+    return total
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes per device of the collective ops in optimised HLO text, by kind.
+
+    Each op counts the larger of its operands and its results: the whole buffer a device
+    sends or receives (all-gather: the gathered result; reduce-scatter: the input;
+    all-reduce, collective-permute, all-to-all: the buffer). An async ``-start`` returns a
+    tuple of its operands and results: the results are that tuple less the operands. An
+    op inside a loop body is counted once (a static count, like :func:`collectives`).
+    """
+    found: Counter = Counter()
+    for line in hlo_text.splitlines():
+        m = _OPCODE.search(line)
+        if not m:
+            continue
+        op = m.group(1)
+        base = op.removesuffix("-start")
+        if op.endswith("-done") or base not in COLLECTIVES:
+            continue
+        result = _array_bytes(line[line.index("=") + 1 : m.start(1)])
+        rest = line[m.end(1) :]
+        args = rest[: rest.find(")")] if ")" in rest else rest
+        operands = _array_bytes(args)
+        if op.endswith("-start") and result > operands:
+            result -= operands
+        found[base] += max(result, operands)
+    return dict(sorted(found.items()))
+
+
+def _cost_flops(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 -- a backend without cost analysis: no figure
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def model_flops_per_chip(trainer, chips: int) -> float:
+    """The step's model FLOPs (docs/math.md, "Step FLOPs") per chip, every query taken to
+    see its layer's window, or the whole row on full-attention layers: an upper bound."""
+    from dspark_jax.train import throughput
+
+    args, cfg = trainer.args, trainer.cfg
+    rows, seq = trainer.rows_per_step, args.total_seq_len
+    q = args.max_anchors * cfg.block_size
+    context = [
+        float(rows * q * min(cfg.layer_sliding_window(layer) or seq, seq))
+        for layer in range(cfg.num_hidden_layers)
+    ]
+    total = throughput.train_step_flops(
+        cfg, rows=rows, num_anchors=args.max_anchors, seq_len=seq, context=context,
+        remat=bool(args.gradient_checkpointing), hardware=True,
+    )  # fmt: skip
+    return total / chips
+
+
 def abstract_inputs(trainer, mesh):
     """ShapeDtypeStructs (with shardings) of the trainer's step inputs."""
     args, cfg = trainer.args, trainer.cfg
@@ -203,8 +276,10 @@ def _compile(name: str, jitted, *inputs) -> tuple[StepMemory, Any]:
         outputs=m.output_size_in_bytes,
         aliased=m.alias_size_in_bytes,
         code=m.generated_code_size_in_bytes,
-        collectives=collectives(compiled.as_text()),
     )
+    hlo = compiled.as_text()
+    mem.collectives, mem.collective_bytes = collectives(hlo), collective_bytes(hlo)
+    mem.flops = _cost_flops(compiled)
     return mem, compiled
 
 
@@ -264,8 +339,18 @@ def report_lines(c: CompiledSteps, args) -> list[str]:
             f"{_gib(s.temporaries)}, {' '.join([f'outputs {_gib(s.outputs)}', *extra])}; total "
             f"{_gib(s.total)} of {_gib(limit)} ({t.memory_source}): {verdict}"
         )
-        coll = ", ".join(f"{k} {v}" for k, v in s.collectives.items()) or "none"
-        lines.append(f"{s.name} step collectives: {coll}")
+        coll = (
+            ", ".join(
+                f"{k} {v} ({_gib(s.collective_bytes.get(k, 0))})" for k, v in s.collectives.items()
+            )
+            or "none"
+        )
+        moved = sum(s.collective_bytes.values())
+        flops = "n/a" if s.flops is None else f"{s.flops / 1e12:.4g} TFLOP"
+        lines.append(
+            f"{s.name} step collectives per chip: {coll}; {_gib(moved)} in all (ops in loop "
+            f"bodies once); XLA's FLOPs per chip {flops}"
+        )
     lines.append(
         f"{'fits' if c.fits else 'does not fit'}: {t.spec} with --mesh "
         f"{','.join(f'{k}={v}' for k, v in mesh.items())} and --rows-per-step {c.rows_per_step}"
@@ -306,6 +391,13 @@ def compile_report(trainer) -> int:
     """Print the report; 0 if both steps fit, 1 if not."""
     steps = compile_steps(trainer)
     lines = report_lines(steps, trainer.args)
+    if steps.train.error is None:
+        model = model_flops_per_chip(trainer, steps.target.chips)
+        lines.insert(
+            -1,
+            f'train step model FLOPs per chip {model / 1e12:.4g} TFLOP (docs/math.md, "Step '
+            'FLOPs"; every query sees its whole window or row: an upper bound)',
+        )
     if getattr(trainer, "instep", None) is not None:
         lines.insert(-1, instep_line(trainer, steps))
     for line in lines:

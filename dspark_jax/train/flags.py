@@ -332,7 +332,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("mesh", "jax", None,
        help="Device mesh, e.g. 'data=2,fsdp=2,tensor=2' (one axis may be -1); default: every "
        "device on fsdp. 'context=C' splits each row's tokens over C devices (long rows; "
-       "--total-seq-len must be a multiple of C)."),
+       "--total-seq-len must be a multiple of C); over several processes, each reads and "
+       "holds only its tokens' hidden states."),
     _f("compile_for", "jax", None,
        help="With --dry-run: compile the train and eval steps for a target instead of "
        "initialising the drafter, and report per-chip memory against its HBM, the "

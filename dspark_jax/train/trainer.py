@@ -54,7 +54,7 @@ from dspark_jax import optim, parallel
 from dspark_jax.checkpoint.orbax_io import FORMAT as CHECKPOINT_FORMAT  # what the converters read
 from dspark_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, unreadable_reason
 from dspark_jax.data.files import DataError
-from dspark_jax.data.pipeline import PackedData
+from dspark_jax.data.pipeline import PackedData, ProcessRows
 from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
 from dspark_jax.train import drafter_setup, flags, online_setup, throughput
@@ -138,11 +138,13 @@ class Throughput:
     def __init__(self, trainer: Trainer):
         self.cfg, self.args = trainer.cfg, trainer.args
         self.devices = trainer.mesh.size
+        self.share = trainer.process_share
         kinds = {d.device_kind for d in trainer.mesh.devices.flat}
         self.peak = throughput.peak_flops(kinds.pop()) if len(kinds) == 1 else None
 
     def step_flops(self, batch: dict[str, np.ndarray]) -> float:
-        """Model FLOPs of one step on this process's rows, times the processes."""
+        """Model FLOPs of one step on this process's rows, times the row groups (the
+        processes, or fewer when processes share rows)."""
         args = self.args
         context = throughput.visible_context(
             batch["document_ids"], batch["loss_mask"], self.cfg, args.max_anchors
@@ -155,7 +157,7 @@ class Throughput:
             seq_len=args.total_seq_len,
             context=context,
         )
-        return flops * jax.process_count()
+        return flops * self.share
 
     def figures(self, flops: float, elapsed: float) -> dict[str, Any]:
         per_device = flops / elapsed / self.devices
@@ -219,16 +221,26 @@ class Trainer:
             raise ConfigError(f"--fsdp-shard with --mesh {args.mesh}: the mesh has no fsdp axis")
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.rows_per_step = args.rows_per_step or shards
-        nproc = jax.process_count()
-        if self.rows_per_step % shards or self.rows_per_step % nproc:
+        if self.rows_per_step % shards:
             raise ConfigError(
                 f"--rows-per-step {self.rows_per_step} must be a multiple of data x fsdp = "
-                f"{shards} (mesh {dict(self.mesh.shape)}) and of the {nproc} processes"
+                f"{shards} (mesh {dict(self.mesh.shape)})"
             )
         try:
-            parallel.check_context_split(self.mesh, args.total_seq_len)
+            parallel.check_context_split(self.mesh, args.total_seq_len, self.rows_per_step)
+            # The rows and tokens this process feeds (its devices' block of the batch).
+            self.ranks, self.tokens = parallel.process_rows(
+                self.mesh, self.rows_per_step, args.total_seq_len
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # A step's rows over this process's rows: scales the host-side token and FLOP counts.
+        self.process_share = self.rows_per_step / len(self.ranks)
+        if self.tokens != (0, args.total_seq_len) and args.on_missing == "generate":
+            raise ConfigError(
+                f"--on-missing generate with --mesh {args.mesh}: the context axis splits rows "
+                "over processes, which read their tokens' hidden states from files only"
+            )
         self.settings = LossSettings.from_loss_fn(
             args.loss_fn,
             num_anchors=args.max_anchors,
@@ -317,7 +329,7 @@ class Trainer:
             n_aux=cfg.num_aux_layers,
             hidden_size=cfg.verifier_hidden_size,
             train_data_ratio=args.train_data_ratio,
-            rows_per_process=self.rows_per_step // jax.process_count(),
+            process_rows=ProcessRows(self.ranks, self.rows_per_step, self.tokens),
             seed=args.seed,
             on_missing="raise" if self.instep is not None else args.on_missing,
             online=online,
@@ -389,7 +401,7 @@ class Trainer:
         )
 
     def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return parallel.global_batch(batch, self.mesh)
+        return parallel.global_batch(batch, self.mesh, self.rows_per_step)
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self, reason: str, metrics: dict[str, float] | None) -> dict[str, Any]:
@@ -663,7 +675,7 @@ class Trainer:
                 batch = next(it)
                 w = self._window
                 w["fetch"] += time.perf_counter() - t0
-                w["tokens"] += int(np.sum(batch["document_ids"] != -1)) * jax.process_count()
+                w["tokens"] += round(np.sum(batch["document_ids"] != -1) * self.process_share)
                 w["flops"] += self.throughput.step_flops(batch)
                 w["steps"] += 1
                 self.state, metrics = self.train_step(

@@ -13,9 +13,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dspark_jax.data.files import BadSampleError, read_hidden_states
+from dspark_jax.data import files
+from dspark_jax.data.files import BadSampleError, DataError, read_hidden_states
 from dspark_jax.data.packing import RowBuffers
-from dspark_jax.data.pipeline import PackedData, make_train_iterator, make_val_iterator
+from dspark_jax.data.pipeline import (
+    PackedData,
+    ProcessRows,
+    make_train_iterator,
+    make_val_iterator,
+)
 from tests.data.conftest import make_tiny_data, write_hs
 from tests.data.resume_child import digest
 
@@ -206,6 +212,85 @@ def test_two_processes_read_disjoint_shards_covering_the_split(tiny_data):
                 np.testing.assert_array_equal(
                     b[k][p : p + 1].view(np.uint8), per_process[p][t][k][0:1].view(np.uint8)
                 )
+
+
+@pytest.mark.parametrize("tokens", [(0, 24), (24, 64), (16, 48)])
+def test_a_process_holding_part_of_each_row_reads_only_those_tokens(tiny_data, tokens, monkeypatch):
+    """A context axis over processes: the process holding tokens [lo, hi) of its rows gets
+    those tokens' hidden states (the whole-row batch's slice, bit for bit) and whole-row
+    ids and masks, and reads from the files only the hidden-state rows of those tokens."""
+    d = tiny_data
+    lo, hi = tokens
+    whole = list(
+        PackedData(d.data_path, **d.kwargs(rows_per_process=2)).train_iterator(num_epochs=1)
+    )
+    views = []
+    real_view = files.SafetensorsFile.view
+
+    def recording(self, key, rows=None, start=0):
+        out = real_view(self, key, rows, start)
+        if key == "hidden_states":
+            views.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(files.SafetensorsFile, "view", recording)
+    rows = ProcessRows(range(0, 2), 2, tokens)
+    part = list(PackedData(d.data_path, **d.kwargs(process_rows=rows)).train_iterator(num_epochs=1))
+    assert len(part) == len(whole)
+    for b, w in zip(part, whole, strict=True):
+        for k, v in b.items():
+            want = w[k][:, lo:hi] if k.endswith("hidden_states") else w[k]
+            assert v.shape == want.shape, k
+            np.testing.assert_array_equal(v.view(np.uint8), want.view(np.uint8), err_msg=k)
+    # Rows read = the documents' tokens inside [lo, hi): nothing outside is touched.
+    assert sum(views) == sum(int((w["document_ids"][:, lo:hi] >= 0).sum()) for w in whole)
+
+
+def test_part_of_each_row_from_fp8_files_reads_those_rows_and_scales(tmp_path):
+    """fp8 files are read with pread (rows and their scales from ``first_token``): the
+    part equals the whole-row batch's slice after dequantisation."""
+    d = make_tiny_data(tmp_path, fp8=True, n_docs=12)
+    kw = d.kwargs(train_data_ratio=1.0)
+    whole = list(PackedData(d.data_path, **kw).train_iterator(num_epochs=1))
+    rows = ProcessRows((0,), 1, (16, 48))
+    part = list(PackedData(d.data_path, **kw, process_rows=rows).train_iterator(num_epochs=1))
+    assert len(part) == len(whole) > 0
+    for b, w in zip(part, whole, strict=True):
+        for k in ("hidden_states", "verifier_last_hidden_states"):
+            assert b[k].dtype == np.float32
+            np.testing.assert_array_equal(b[k], w[k][:, 16:48], err_msg=k)
+
+
+def test_a_bad_sample_in_part_of_a_row_is_skipped_alike_or_stops(tiny_copy):
+    """Missing or mismatched files (seen by every process) are skipped as without the split,
+    so the processes sharing a row pack the same documents; non-finite values seen in one
+    process's tokens cannot be skipped alike: that process stops, naming the file."""
+    d = tiny_copy
+    _break_some_files(d)
+    write_hs(d.hs_path, 10, d.input_ids[10], d.hidden[10])  # repaired: no NaN yet
+    kw = d.kwargs(on_missing="skip", rows_per_process=1)
+    whole = list(PackedData(d.data_path, **kw).train_iterator(num_epochs=1))
+    assert sum(int(b["error_records"].sum()) for b in whole) > 0
+    for tokens in ((0, 32), (32, 64)):
+        rows = ProcessRows(range(0, 1), 1, tokens)
+        data = PackedData(d.data_path, **{**kw, "process_rows": rows})
+        for b, w in zip(data.train_iterator(num_epochs=1), whole, strict=True):
+            for k in ("input_ids", "loss_mask", "document_ids", "error_records"):
+                np.testing.assert_array_equal(b[k], w[k], err_msg=k)
+    h = d.hidden[10].copy()
+    h[1, 0, 0] = np.nan
+    write_hs(d.hs_path, 10, d.input_ids[10], h)
+    stopped = []
+    for tokens in ((0, 32), (32, 64)):
+        rows = ProcessRows(range(0, 1), 1, tokens)
+        data = PackedData(d.data_path, **{**kw, "process_rows": rows})
+        try:
+            list(data.train_iterator(num_epochs=1))
+        except DataError as e:
+            assert not isinstance(e, BadSampleError)
+            assert "hs_10.safetensors" in str(e) and "cannot be skipped" in str(e)
+            stopped.append(tokens)
+    assert len(stopped) == 1  # the process that holds document 10's token 1
 
 
 def test_validation_split_is_the_tail_with_a_fixed_seed(tiny_data):

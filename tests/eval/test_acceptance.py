@@ -68,6 +68,60 @@ def test_context_buckets():
     assert acceptance.bucket_label(4096, None) == "4K+"
 
 
+def test_default_buckets_reach_a_million_tokens_and_skip_what_the_data_does_not_reach():
+    # Context positions of a long-row set: every power-of-two bucket from 0 to 1M+ except
+    # 64K-128K (no anchor there though documents run through it) holds blocks.
+    pos = np.array([0, 255, 256, 1000, 5000, 40000, 131072, 200000, 300000, 600000,
+                    1048575, 1048576, 1048577])  # fmt: skip
+    want = {  # (lo, hi) -> blocks
+        (0, 256): 2, (256, 512): 1, (512, 1024): 1, (4096, 8192): 1, (32768, 65536): 1,
+        (65536, 131072): 0, (131072, 262144): 2, (262144, 524288): 1, (524288, 1048576): 2,
+        (1048576, None): 2,
+    }  # fmt: skip
+    # Buckets between 1K and 4K and 8K..32K hold no block but lie below the longest document.
+    for lo in (1024, 2048, 8192, 16384):
+        want[(lo, 2 * lo)] = 0
+    got = acceptance.context_buckets(pos, longest=1048578)
+    assert {(lo, hi): int(sel.sum()) for lo, hi, sel in got} == want
+    assert [lo for lo, _, _ in got] == sorted(lo for lo, _ in want)
+    assert sum(int(sel.sum()) for _, _, sel in got) == pos.size  # a partition
+    assert acceptance.bucket_label(524288, 1048576) == "512K-1M"
+    assert acceptance.bucket_label(1048576, None) == "1M+"
+
+    # Short data: the 1M edges add no row; an empty bucket below the longest document stays.
+    short = acceptance.context_buckets(np.array([3, 700]), longest=2048)
+    assert [(acceptance.bucket_label(lo, hi), int(s.sum())) for lo, hi, s in short] == [
+        ("0-256", 1), ("256-512", 0), ("512-1K", 1), ("1K-2K", 0),
+    ]  # fmt: skip
+    assert len(acceptance.context_buckets(np.array([3, 700]))) == 2  # no length: blocks only
+
+    # The report's markdown and CSV carry those buckets (an empty one as 0 blocks, n/a).
+    n, blk = 3, 4
+    x = np.where(pos[:, None] >= 262144, 0.5, 1.0) * np.ones((pos.size, blk))
+    arrays = {
+        name: x for name in ("accept_fr", "greedy_fr", "accept_tf", "greedy_tf")
+    } | {  # fmt: skip
+        "mask": np.ones((pos.size, blk)), "context_pos": pos,
+        "row": np.arange(pos.size), "document": np.zeros(pos.size, np.int64),
+    }  # fmt: skip
+    data = eval_report.DatasetBlocks("long", arrays, rows=pos.size, documents=pos.size,
+                                     longest_document=1048578)  # fmt: skip
+    report = eval_report.build_report(
+        [data], start=1, num_draft=n, context_edges=acceptance.DEFAULT_CONTEXT_EDGES,
+        has_confidence=False,
+    )  # fmt: skip
+    md = eval_report.markdown(report)
+    # x = 1 below 256K: every position accepted, length n + 1; 0.5 from 256K: 1 + sum 0.5^k.
+    assert md.count(f"| long | 0-256 | 2 | {'| '.join([f'{n + 1:.2f} '] * 4)}|") == 1
+    assert md.count("| long | 64K-128K | 0 | n/a | n/a | n/a | n/a |") == 1
+    assert md.count(f"| long | 1M+ | 2 | {'| '.join([f'{1.875:.2f} '] * 4)}|") == 1
+    lines = eval_report.context_csv(report).splitlines()
+    assert len(lines) == 1 + 4 * len(want)
+    assert "long,analytic,free_running,524288,1048576,2,1.875,0.5,0.25,0.125" in lines
+    assert "long,analytic,free_running,1048576,,2,1.875,0.5,0.25,0.125" in lines
+    assert "long,greedy,teacher_forcing,65536,131072,0,,,," in lines
+
+
 def _heads(cfg, zero_w2=True):
     markov = numpy_module(lambda: MarkovHead(cfg, jnp.float32, nnx.Rngs(0)), seed=0, scale=0.3)
     conf = numpy_module(

@@ -82,12 +82,27 @@ def test_the_trainer_refuses_a_split_it_cannot_feed():
     parallel.check_context_split(_mesh("fsdp=2,context=4"), 64)
     with pytest.raises(ValueError, match="--total-seq-len 66 must be a multiple of the mesh's"):
         parallel.check_context_split(_mesh("fsdp=2,context=4"), 66)
-    # A context group over two processes: the pipeline gives each process whole rows.
-    devices = np.empty((1, 1, 2, 1), object)
-    devices[0, 0, :, 0] = [SimpleNamespace(process_index=i) for i in (0, 1)]
-    mesh = SimpleNamespace(shape={"context": 2}, axis_names=parallel.MESH_AXES, devices=devices)
-    with pytest.raises(ValueError, match="--mesh context=2 spans processes"):
-        parallel.check_context_split(mesh, 64)
+    # One process holds every row whole; a context group over processes (each holding
+    # its tokens) and the refusal of interleaved tokens: tests/train/test_multiprocess.py.
+    assert parallel.process_rows(_mesh("fsdp=2,context=4"), 4, 64) == ((0, 1, 2, 3), (0, 64))
+
+
+def test_global_batch_puts_whole_rows_of_one_process_on_the_mesh():
+    """One process: its batch holds every row whole; global_batch splits it over the
+    (data, fsdp) rows and context tokens, bit for bit, and checks the row count."""
+    mesh = _mesh("data=2,fsdp=2,context=2")
+    rng = np.random.default_rng(0)
+    local = {
+        "hidden_states": rng.standard_normal((4, 64, 6)).astype(np.float32),
+        "input_ids": rng.integers(0, 100, (4, 64)).astype(np.int32),
+        "error_records": np.arange(4, dtype=np.int32),
+    }
+    out = parallel.global_batch(local, mesh, 4)
+    for k, v in local.items():
+        assert out[k].sharding.is_equivalent_to(parallel.batch_sharding(mesh, v.ndim), v.ndim)
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=k)
+    with pytest.raises(ValueError, match="has 4 rows; this process holds 8 of the 8"):
+        parallel.global_batch(local, mesh, 8)
 
 
 @pytest.mark.parametrize("spec", MESHES)

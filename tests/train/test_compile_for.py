@@ -200,6 +200,17 @@ def test_collectives_are_counted_from_optimised_hlo():
         "collective-permute": 1,
         "reduce-scatter": 1,
     }
+    # Bytes: the gathered 8 floats, the reduced 8, the scattered input 8, the permuted 2.
+    assert compile_report.collective_bytes(hlo) == {
+        "all-gather": 32,
+        "all-reduce": 32,
+        "collective-permute": 8,
+        "reduce-scatter": 32,
+    }
+    assert compile_report.collective_bytes(
+        "%a = (bf16[4,2]{1,0}, bf16[16,2]{1,0}) all-gather-start(bf16[4,2]{1,0} %p)\n"
+        "%b = f8e4m3fn[10]{0} all-to-all(f8e4m3fn[10]{0} %q), dimensions={0}"
+    ) == {"all-gather": 64, "all-to-all": 10}
 
 
 def test_compile_for_local_reports_the_local_devices(verifier, tmp_path, capsys, captured):
