@@ -27,12 +27,24 @@ ROWS=(
   "v5p-16_fsdp8_r16 tpu:v5p:2x2x2 fsdp=8 16"
   # issue 29: 256K-token rows, each over 2 chips (context), 4 rows per step
   "v5p-16_fsdp4_ctx2_s256k_remat tpu:v5p:2x2x2 fsdp=4,context=2 4 --gradient-checkpointing --total-seq-len 262144"
+  "v5p-16_fsdp2_ctx4_s512k_remat tpu:v5p:2x2x2 fsdp=2,context=4 2 --gradient-checkpointing --total-seq-len 524288"
+  "v5p-16_ctx8_s1m_remat tpu:v5p:2x2x2 context=8 1 --gradient-checkpointing --total-seq-len 1048576"
+  "v6e-16_fsdp4_ctx4_s256k_remat tpu:v6e:4x4 fsdp=4,context=4 4 --gradient-checkpointing --total-seq-len 262144"
+  # a Qwen3-8B-shaped drafter (QWEN3_8B below: hidden 4096, vocab 151936, 5 layers) at 128K
+  "q8b-v6e-8_fsdp2_ctx4_s128k_remat tpu:v6e:2x4 fsdp=2,context=4 2 --gradient-checkpointing QWEN3_8B"
+  "q8b-h200-8_fsdp2_ctx4_s128k_remat gpu:h200:8 fsdp=2,context=4 2 --gradient-checkpointing QWEN3_8B"
 )
+# The rows marked QWEN3_8B replace the seed config by these flags (config.json only).
+QWEN3_8B=(--verifier-name-or-path configs/qwen3_8b_shape/verifier --target-layer-ids 2 18 33
+          --mask-token-id 151643 --num-layers 5 --total-seq-len 131072
+          --data-path "$OUT/no-data" --save-path "$OUT/no-checkpoints")
 
 for row in "${ROWS[@]}"; do
   read -r name target mesh rows extra <<<"$row"
   [[ $name == "${1:-}"* ]] || continue
-  cmd=("$PYTHON" -m dspark_jax.train --config configs/kimi_k3/train.yaml --dry-run
+  base=(--config configs/kimi_k3/train.yaml)
+  if [[ ${extra:-} == *QWEN3_8B ]]; then base=("${QWEN3_8B[@]}"); extra=${extra%QWEN3_8B}; fi
+  cmd=("$PYTHON" -m dspark_jax.train "${base[@]}" --dry-run
        --compile-for "$target" --mesh "$mesh" --rows-per-step "$rows" ${extra:-})
   {
     echo "# $(date -u +%FT%TZ) ${cmd[*]}"

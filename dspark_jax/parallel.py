@@ -89,16 +89,33 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> jax.
     shape = tuple(sizes[a] for a in MESH_AXES)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     try:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+        grid = jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices).devices
     except (ValueError, NotImplementedError) as e:
         if "allow_split_physical_axes" not in str(e):
             raise
-    # An axis that is no product of the slice's physical axes (data=8 on a 4x4x4 v5p):
-    # split a physical axis, as jax.make_mesh itself does on v5e only.
-    from jax.experimental import mesh_utils
+        # An axis that is no product of the slice's physical axes (data=8 on a 4x4x4
+        # v5p): split a physical axis, as jax.make_mesh itself does on v5e only.
+        from jax.experimental import mesh_utils
 
-    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(_context_by_process(grid), MESH_AXES, axis_types=axis_types)
+
+
+def _context_by_process(grid: np.ndarray) -> np.ndarray:
+    """The device grid with each context group's devices ordered by process (stable).
+
+    jax.make_mesh orders a slice's devices for its physical rings, which on a multi-host
+    slice interleaves hosts along an axis (context=8 on a v5p-16: host 0 holds shards 0,
+    2, 4, 6). The data pipeline builds one token range per process (process_rows), so a
+    process's shards of a row must be neighbours. The context collectives (psum, pmax
+    of the attention merge; docs/design.md §7) are reductions, which any order serves.
+    Within one process this is the identity.
+    """
+    axis = MESH_AXES.index(CONTEXT_AXIS)
+    groups = np.moveaxis(grid, axis, -1)
+    process = np.vectorize(lambda d: d.process_index)(groups)
+    order = np.argsort(process, axis=-1, kind="stable")
+    return np.moveaxis(np.take_along_axis(groups, order, axis=-1), -1, axis)
 
 
 def _fit(spec: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
@@ -227,7 +244,7 @@ def process_rows(
             f"--mesh {dict(mesh.shape)}: process {p}'s devices hold {shards} of the "
             f"[{rows}, {seq_len}] batch, not the same token range of each of its rows; the "
             "data pipeline builds one token range per process (order the mesh so each "
-            "process's context shards are neighbours)"
+            "process's context shards are neighbours: parallel.make_mesh does)"
         )
     return tuple(i for a, b in row_shards for i in range(a, b)), (lo, hi)
 

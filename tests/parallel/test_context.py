@@ -191,7 +191,8 @@ def _on_mesh(spec, params, frozen, batch):
     mesh = _mesh(spec)
     params = jax.device_put(params, parallel.state_shardings(params, mesh))
     frozen = jax.device_put(frozen, parallel.frozen_shardings(frozen, mesh))
-    batch = parallel.global_batch({k: np.asarray(v) for k, v in batch.items()}, mesh)
+    local = {k: np.asarray(v) for k, v in batch.items()}
+    batch = parallel.global_batch(local, mesh, len(local["input_ids"]))
     assert batch["hidden_states"].sharding.spec[1] == "context"
     return params, frozen, batch
 

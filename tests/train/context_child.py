@@ -4,7 +4,8 @@
 
 Each process has 2 CPU devices; ``--mesh context=4`` puts each row's tokens on all 4, so
 process 0 holds tokens [0, S/2) and process 1 [S/2, S). Before training it checks that
-a mesh whose device order interleaves the processes along ``context`` is refused; while
+a mesh whose device order interleaves the processes along ``context`` is refused, and
+that make_mesh reorders such devices into one token range per process; while
 training, that every batch this process builds holds the hidden states of its half of
 each row only (token ids and masks whole). Prints ``held LO:HI of S`` and trains.
 """
@@ -12,6 +13,7 @@ each row only (token ids and masks whole). Prints ``held LO:HI of S`` and trains
 import sys
 
 import jax
+import numpy as np
 
 from dspark_jax import parallel
 from dspark_jax.train import flags as cli
@@ -25,12 +27,20 @@ def main() -> int:
     seq = args.total_seq_len
     # Interleaved: process 0 would hold tokens 0:16 and 32:48 of a row, no one range.
     devices = sorted(jax.devices(), key=lambda d: (d.id % 2, d.process_index))
+    interleaved = jax.sharding.Mesh(np.array(devices).reshape(1, 1, 4, 1), parallel.MESH_AXES)
     try:
-        parallel.check_context_split(parallel.make_mesh("context=4", devices), seq)
+        parallel.check_context_split(interleaved, seq)
     except ValueError as e:
         assert "not the same token range of each of its rows" in str(e), e
     else:
         raise AssertionError("an interleaved context group was accepted")
+    # make_mesh orders each context group by process: one token range per process again
+    mesh = parallel.make_mesh("context=4", devices)
+    parallel.check_context_split(mesh, seq)
+    assert parallel.process_rows(mesh, 1, seq)[1] == (
+        jax.process_index() * seq // 2,
+        (jax.process_index() + 1) * seq // 2,
+    )
 
     held = set()
     real = parallel.global_batch

@@ -393,3 +393,24 @@ def test_the_seed_mesh_fits_a_v5p_128_by_splitting_a_physical_axis():
     for group in mesh.devices.reshape(8, 8):
         coords = np.array([d.coords for d in group])
         assert np.prod(np.ptp(coords, axis=0) + 1) == 8
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize(
+    "mesh, rows, tokens",
+    [
+        ("context=8", 1, [(0, 32), (32, 64)]),  # jax.make_mesh alone interleaves the hosts
+        ("fsdp=2,context=4", 2, [(0, 64), (0, 64)]),  # each host: one row whole
+        ("fsdp=4,context=2", 4, [(0, 64), (0, 64)]),
+    ],
+)
+def test_a_row_split_over_hosts_gives_each_host_one_token_range(mesh, rows, tokens):
+    """A v5p-16 is 2 hosts of 4 chips: make_mesh orders each context group by process,
+    so every host builds one token range of its rows (what the pipeline can feed)."""
+    if why := _libtpu_missing():
+        pytest.skip(why)
+    devices = compile_target.resolve("tpu:v5p:2x2x2").devices
+    m = parallel.make_mesh(mesh, devices)
+    parallel.check_context_split(m, 64, rows)
+    for p in (0, 1):
+        assert parallel.process_rows(m, rows, 64, p)[1] == tokens[p], (mesh, p)
