@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
 # --hidden-states-backend jax compiled for slices (bench/README.md, "In-step verifier"):
-# a Qwen3-8B-shaped verifier (configs/qwen3_8b_shape, config.json only) + a 1-layer
-# drafter, 8192 tokens, 1 row per chip. Needs the tpu extra (the gpu row: the CUDA plugin).
+# a Qwen3-8B-shaped verifier (configs/qwen3_8b_shape) or a Llama-3.1-70B-shaped one
+# (configs/llama31_70b_shape), config.json only, + a 1-layer drafter, 8192 tokens, 1 row
+# per chip; target layer ids as speculators' default (2, N // 2, N - 3). Needs the tpu
+# extra (the h200 row: the cuda-compile extra).
 #
-#   bash bench/compile_instep.sh [row-prefix]
+#   bash bench/compile_instep.sh [row-prefix]     # e.g. v5p, v6e, h200, llama70b
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-bench/results/compile_instep}
 mkdir -p "$OUT"
+QWEN="configs/qwen3_8b_shape/verifier 2,18,33 151643"
+LLAMA="configs/llama31_70b_shape/verifier 2,40,77 128002"  # <|reserved_special_token_0|>
 ROWS=(
-  "v5p-8 tpu:v5p:2x2x1 fsdp=4 4"
-  "v6e-8 tpu:v6e:2x4 fsdp=8 8"
-  "h200-8 gpu:h200:8 fsdp=8 8"
+  "v5p-8 tpu:v5p:2x2x1 fsdp=4 4 $QWEN"
+  "v6e-8 tpu:v6e:2x4 fsdp=8 8 $QWEN"
+  "h200-8 gpu:h200:8 fsdp=8 8 $QWEN"
+  "llama70b-v5p-64 tpu:v5p:4x4x2 ${LLAMA70B_MESH:-fsdp=32} 32 $LLAMA"
 )
 for row in "${ROWS[@]}"; do
-  read -r name target mesh rows <<<"$row"
+  read -r name target mesh rows verifier ids mask <<<"$row"
   [[ $name == "${1:-}"* ]] || continue
-  cmd=("$PYTHON" -m dspark_jax.train --verifier-name-or-path configs/qwen3_8b_shape/verifier
-       --target-layer-ids 2 18 33 --mask-token-id 151643 --total-seq-len 8192 --num-layers 1
+  cmd=("$PYTHON" -m dspark_jax.train --verifier-name-or-path "$verifier"
+       --target-layer-ids ${ids//,/ } --mask-token-id "$mask" --total-seq-len 8192 --num-layers 1
        --max-anchors 512 --hidden-states-backend jax --data-path "$OUT/no-data"
        --save-path "$OUT/ckpt-$name" --dry-run --compile-for "$target" --mesh "$mesh"
        --rows-per-step "$rows")
@@ -27,5 +32,5 @@ for row in "${ROWS[@]}"; do
     /usr/bin/time -v "${cmd[@]}"
     echo "# rc=$? $(date -u +%FT%TZ)"
   } >"$OUT/$name.log" 2>&1
-  grep -E '^\[compile\]|^error' "$OUT/$name.log"
+  grep -E '^\[compile\]|^error|Elapsed|Maximum resident' "$OUT/$name.log"
 done

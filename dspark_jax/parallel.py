@@ -37,6 +37,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "aux_embed": None,  # fc's input (n_aux * Ht); its output dim is already on fsdp
     "markov": None,  # the Markov rank is small
     "norm": None,
+    "layers": None,  # the stacked verifier's layer axis (scanned; every device holds all)
     "sequence": CONTEXT_AXIS,  # the tokens of a row (every per-token tensor)
 }
 

@@ -39,6 +39,15 @@ class UnsupportedVerifierError(ValueError):
     """The verifier's family (or a setting of it) has no in-step forward."""
 
 
+class LayerKind(NamedTuple):
+    """What makes two decoder layers run the same code (their weights may differ):
+    layers of one kind are stacked and scanned (dspark_jax/verifier/forward.py)."""
+
+    window: int | None  # sliding window, None on full-attention layers
+    rope: str  # key into VerifierConfig.ropes
+    moe: bool
+
+
 class RopeView(NamedTuple):
     """What :func:`dspark_jax.model.layers.rope_tables` reads from a config."""
 
@@ -88,6 +97,18 @@ class VerifierConfig:
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.layer_moe) and self.layer_moe[layer]
+
+    def kind(self, layer: int) -> LayerKind:
+        return LayerKind(self.layer_windows[layer], self.layer_rope[layer], self.is_moe(layer))
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[LayerKind, tuple[int, ...]], ...]:
+        """The layers of each kind, ascending; kinds in order of first appearance. Stack
+        ``j``'s parameters are ``stacks.{j}.*`` with a leading layer axis (weights.py)."""
+        stacks: dict[LayerKind, list[int]] = {}
+        for i in range(self.num_hidden_layers):
+            stacks.setdefault(self.kind(i), []).append(i)
+        return tuple((k, tuple(v)) for k, v in stacks.items())
 
     def check_layer_ids(self, layer_ids, where: str = "--target-layer-ids") -> tuple[int, ...]:
         """Ascending, unique ids in [0, N] (id k: the residual stream after k layers)."""

@@ -18,6 +18,9 @@ on the sequence length (dynamic, longrope) use each document's own length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -32,7 +35,7 @@ from dspark_jax.verifier.attention import (
     dense_document_causal_attention,
     document_causal_attention,
 )
-from dspark_jax.verifier.config import VerifierConfig
+from dspark_jax.verifier.config import LayerKind, VerifierConfig
 
 _F32 = jnp.float32
 Params = dict[str, jax.Array]
@@ -114,7 +117,7 @@ def _document_last_index(document_ids: jax.Array) -> jax.Array:
     return jnp.flip(jax.lax.cummin(jnp.flip(idx)))
 
 
-def _attention(cfg, params, p, layer, x, rope, document_ids, dense, q_block, kv_chunk):
+def _attention(cfg, params, p, kind, x, rope, document_ids, dense, q_block, kv_chunk):
     S, d = x.shape[0], cfg.head_dim
     q = _linear(params, p + "q_proj", x).reshape(S, cfg.num_attention_heads, d)
     k = _linear(params, p + "k_proj", x).reshape(S, cfg.num_key_value_heads, d)
@@ -125,11 +128,7 @@ def _attention(cfg, params, p, layer, x, rope, document_ids, dense, q_block, kv_
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cd = params[p + "q_proj.weight"].dtype
-    kwargs = dict(
-        scale=cfg.query_scale,
-        sliding_window=cfg.layer_windows[layer],
-        softcap=cfg.attn_softcap,
-    )
+    kwargs = dict(scale=cfg.query_scale, sliding_window=kind.window, softcap=cfg.attn_softcap)
     q, k, v = q.astype(cd), k.astype(cd), v.astype(cd)
     if dense:
         out = dense_document_causal_attention(q, k, v, document_ids, **kwargs)
@@ -138,6 +137,80 @@ def _attention(cfg, params, p, layer, x, rope, document_ids, dense, q_block, kv_
             q, k, v, document_ids, q_block=q_block, kv_chunk=kv_chunk, **kwargs
         )
     return _linear(params, p + "o_proj", out.reshape(S, -1))
+
+
+def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x: jax.Array, ropes, doc, opts):
+    """One decoder layer; ``lp`` holds its parameters by their name within the layer
+    (``self_attn.q_proj.weight``); x [S, H] fp32 -> [S, H] fp32."""
+    h = _norm(cfg, x, lp["input_layernorm.weight"])
+    h = _attention(cfg, lp, "self_attn.", kind, h, ropes[kind.rope], doc, *opts)
+    if cfg.gemma_norms:
+        x = x + _norm(cfg, h, lp["post_attention_layernorm.weight"])
+        h = _norm(cfg, x, lp["pre_feedforward_layernorm.weight"])
+    else:
+        x = x + h
+        h = _norm(cfg, x, lp["post_attention_layernorm.weight"])
+    h = _moe(cfg, lp, "mlp.", h) if kind.moe else _mlp(cfg, lp, "mlp.", h)
+    if cfg.gemma_norms:
+        h = _norm(cfg, h, lp["post_feedforward_layernorm.weight"])
+    return x + h
+
+
+class Block(NamedTuple):
+    """Layers ``start .. start + period * repeats - 1`` run as ``repeats`` iterations of
+    a ``lax.scan`` whose body is ``period`` consecutive layers."""
+
+    start: int
+    period: int
+    repeats: int
+
+
+def layer_blocks(kinds: Sequence[LayerKind], lo: int, hi: int) -> list[Block]:
+    """Layers [lo, hi) as scanned blocks: greedily, the period (1 for a uniform model, 2
+    for Gemma 2's sliding/global alternation, 6 for Gemma 3's 5:1) whose repetitions
+    cover the most layers from the current one (the shortest on a tie); a layer that
+    starts no repetition is a block of its own. Uniform and periodic layer patterns thus
+    compile a constant number of layer bodies, whatever the depth."""
+    blocks, s = [], lo
+    while s < hi:
+        best = Block(s, 1, 1)
+        for p in range(1, (hi - s) // 2 + 1):
+            r = 1
+            while s + (r + 1) * p <= hi and kinds[s + r * p : s + (r + 1) * p] == kinds[s : s + p]:
+                r += 1
+            if r > 1 and p * r > best.period * best.repeats:
+                best = Block(s, p, r)
+        blocks.append(best)
+        s += best.period * best.repeats
+    return blocks
+
+
+def _run_block(cfg: VerifierConfig, params: Params, block: Block, x, ropes, doc, opts):
+    """Scan the block's layers: iteration t runs layers start + t*period + o, o < period,
+    each reading its slice of its kind's stack (dynamic index, no copy of the stack)."""
+    stacks = cfg.layer_stacks
+    where = {i: (j, layers.index(i)) for j, (_, layers) in enumerate(stacks) for i in layers}
+    names = {j: [n for n in params if n.startswith(f"stacks.{j}.")] for j in range(len(stacks))}
+    body_layers = []
+    for o in range(block.period):
+        i = block.start + o
+        j, rank = where[i]
+        # the next repetition's layer of this kind sits `stride` slices further in the stack
+        stride = sum(where[block.start + u][0] == j for u in range(block.period))
+        body_layers.append((cfg.kind(i), j, rank, stride))
+
+    def body(x, t):
+        for kind, j, rank, stride in body_layers:
+            at = rank + t * stride
+            lp = {
+                n.split(".", 2)[2]: jax.lax.dynamic_index_in_dim(params[n], at, 0, keepdims=False)
+                for n in names[j]
+            }
+            x = _layer(cfg, kind, lp, x, ropes, doc, opts)
+        return x, None
+
+    x, _ = jax.lax.scan(body, x, jnp.arange(block.repeats, dtype=jnp.int32))
+    return x
 
 
 def hidden_states(
@@ -158,6 +231,10 @@ def hidden_states(
     input_ids, position_ids (restarting at 0 per document), document_ids (-1 = padding)
     are [S] ints; layer_ids ascending in [0, N] (see :meth:`VerifierConfig.check_layer_ids`).
     Layers above the largest id are not run. ``dense_attention``: the [S, S] oracle (tests).
+
+    The layers between two captured ids run as :func:`layer_blocks`: one ``lax.scan``
+    per block over the stacked weights (weights.py), so the compiled program holds a
+    few layer bodies, not one per layer; each layer's arithmetic is unchanged.
     """
     layer_ids = tuple(layer_ids)
     if list(layer_ids) != sorted(set(layer_ids)):
@@ -172,34 +249,15 @@ def hidden_states(
     if cfg.embed_scale is not None:  # transformers scales in the weights' dtype
         x = x * jnp.asarray(cfg.embed_scale, embed.dtype).astype(_F32)
     ropes = rope_for_row(cfg, position_ids, document_ids)
+    opts = (dense_attention, q_block, kv_chunk)
+    kinds = [cfg.kind(i) for i in range(cfg.num_hidden_layers)]
     captured = [x] if 0 in layer_ids else []
-    for i in range(max(layer_ids)):
-        p = f"layers.{i}."
-        h = _norm(cfg, x, params[p + "input_layernorm.weight"])
-        h = _attention(
-            cfg,
-            params,
-            p + "self_attn.",
-            i,
-            h,
-            ropes[cfg.layer_rope[i]],
-            document_ids,
-            dense_attention,
-            q_block,
-            kv_chunk,
-        )
-        if cfg.gemma_norms:
-            x = x + _norm(cfg, h, params[p + "post_attention_layernorm.weight"])
-            h = _norm(cfg, x, params[p + "pre_feedforward_layernorm.weight"])
-        else:
-            x = x + h
-            h = _norm(cfg, x, params[p + "post_attention_layernorm.weight"])
-        h = _moe(cfg, params, p + "mlp.", h) if cfg.is_moe(i) else _mlp(cfg, params, p + "mlp.", h)
-        if cfg.gemma_norms:
-            h = _norm(cfg, h, params[p + "post_feedforward_layernorm.weight"])
-        x = x + h
-        if i + 1 in layer_ids:
-            captured.append(x)
+    lo = 0
+    for hi in (i for i in layer_ids if i > 0):
+        for block in layer_blocks(kinds, lo, hi):
+            x = _run_block(cfg, params, block, x, ropes, document_ids, opts)
+        captured.append(x)
+        lo = hi
     return jnp.stack(captured, axis=1).astype(out_dtype)
 
 

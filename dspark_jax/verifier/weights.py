@@ -1,15 +1,21 @@
 """The verifier's parameters: names, shapes, logical axes, and loading from safetensors.
 
-Parameters are a flat dict ``{name: array}``; ``name`` is the HF key without the model
-prefix (``layers.3.self_attn.q_proj.weight``) and the layout is torch's (``[out, in]``),
-so nothing is transposed on load. Qwen3-MoE experts are stacked per layer as
+Parameters are a flat dict ``{name: array}`` in torch's layout (``[out, in]``), so nothing
+is transposed on load. The embedding keeps its HF name without the model prefix; the
+decoder layers are stacked by kind (``VerifierConfig.layer_stacks``: same sliding window,
+RoPE and MoE-ness): ``stacks.{j}.self_attn.q_proj.weight`` is ``[L_j, out, in]``, slice
+``l`` being HF's ``layers.{i}.self_attn.q_proj.weight`` for the stack's ``l``-th layer
+``i``. The forward then scans over a stack instead of unrolling every layer, so its
+compile time does not grow with the depth; stacking happens here, once, while reading
+(stacking inside the step would copy every weight on every chip). Qwen3-MoE experts are stacked per layer as
 transformers 5 fuses them: ``layers.i.mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows
 first) and ``layers.i.mlp.experts.down_proj`` [E, H, I]; Hub checkpoints that store one
 tensor per expert (``experts.{e}.gate_proj.weight``) are stacked while reading.
 
 :func:`load_params` reads only what each device holds: every parameter is built with
 ``jax.make_array_from_callback`` whose callback slices a memory-mapped safetensors tensor,
-so a process touches the bytes of its own shards only.
+so a process touches the bytes of its own shards only; the layer axis is never sharded, so a
+device's shard of a stacked parameter is its slice of every layer's tensor.
 """
 
 from __future__ import annotations
@@ -41,52 +47,71 @@ class VerifierCheckpointError(DataError):
 class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names (dspark_jax.parallel.LOGICAL_RULES)
+    layers: tuple[int, ...] = ()  # stacked parameters: the decoder layer of each slice
+
+
+def layer_key(name: str, layer: int) -> str:
+    """The HF name (without the model prefix) of one layer's slice of a stacked parameter:
+    ``stacks.1.mlp.up_proj.weight``, layer 7 -> ``layers.7.mlp.up_proj.weight``."""
+    return f"layers.{layer}.{name.split('.', 2)[2]}"
+
+
+def _layer_specs(cfg: VerifierConfig, moe: bool) -> dict[str, tuple[tuple, tuple]]:
+    """One decoder layer's parameters (name after ``layers.{i}.``): shape, logical axes."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    a = "self_attn."
+    layer = {
+        a + "q_proj.weight": ((nq, h), ("heads", "embed")),
+        a + "k_proj.weight": ((nkv, h), ("kv_heads", "embed")),
+        a + "v_proj.weight": ((nkv, h), ("kv_heads", "embed")),
+        a + "o_proj.weight": ((h, nq), ("embed", "heads")),
+        "input_layernorm.weight": ((h,), ("norm",)),
+        "post_attention_layernorm.weight": ((h,), ("norm",)),
+    }
+    if cfg.qkv_bias:
+        layer[a + "q_proj.bias"] = ((nq,), ("heads",))
+        layer[a + "k_proj.bias"] = ((nkv,), ("kv_heads",))
+        layer[a + "v_proj.bias"] = ((nkv,), ("kv_heads",))
+    if cfg.o_bias:
+        layer[a + "o_proj.bias"] = ((h,), ("norm",))
+    if cfg.qk_norm:
+        layer[a + "q_norm.weight"] = ((d,), ("norm",))
+        layer[a + "k_norm.weight"] = ((d,), ("norm",))
+    if cfg.gemma_norms:
+        layer["pre_feedforward_layernorm.weight"] = ((h,), ("norm",))
+        layer["post_feedforward_layernorm.weight"] = ((h,), ("norm",))
+    m = "mlp."
+    if moe:
+        e, mi = cfg.num_experts, cfg.moe_intermediate_size
+        layer[m + "gate.weight"] = ((e, h), (None, "embed"))
+        layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, h), (None, "mlp", "embed"))
+        layer[m + "experts.down_proj"] = ((e, h, mi), (None, "embed", "mlp"))
+    else:
+        inter = cfg.intermediate_size
+        layer[m + "gate_proj.weight"] = ((inter, h), ("mlp", "embed"))
+        layer[m + "up_proj.weight"] = ((inter, h), ("mlp", "embed"))
+        layer[m + "down_proj.weight"] = ((h, inter), ("embed", "mlp"))
+        if cfg.mlp_bias:
+            layer[m + "gate_proj.bias"] = ((inter,), ("mlp",))
+            layer[m + "up_proj.bias"] = ((inter,), ("mlp",))
+            layer[m + "down_proj.bias"] = ((h,), ("norm",))
+    return layer
 
 
 def param_specs(cfg: VerifierConfig) -> dict[str, ParamSpec]:
-    """Every parameter the forward reads, in torch layout."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    specs = {"embed_tokens.weight": ParamSpec((cfg.vocab_size, h), ("vocab", "embed"))}
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
-        layer = {
-            a + "q_proj.weight": ((nq, h), ("heads", "embed")),
-            a + "k_proj.weight": ((nkv, h), ("kv_heads", "embed")),
-            a + "v_proj.weight": ((nkv, h), ("kv_heads", "embed")),
-            a + "o_proj.weight": ((h, nq), ("embed", "heads")),
-            p + "input_layernorm.weight": ((h,), ("norm",)),
-            p + "post_attention_layernorm.weight": ((h,), ("norm",)),
-        }
-        if cfg.qkv_bias:
-            layer[a + "q_proj.bias"] = ((nq,), ("heads",))
-            layer[a + "k_proj.bias"] = ((nkv,), ("kv_heads",))
-            layer[a + "v_proj.bias"] = ((nkv,), ("kv_heads",))
-        if cfg.o_bias:
-            layer[a + "o_proj.bias"] = ((h,), ("norm",))
-        if cfg.qk_norm:
-            layer[a + "q_norm.weight"] = ((d,), ("norm",))
-            layer[a + "k_norm.weight"] = ((d,), ("norm",))
-        if cfg.gemma_norms:
-            layer[p + "pre_feedforward_layernorm.weight"] = ((h,), ("norm",))
-            layer[p + "post_feedforward_layernorm.weight"] = ((h,), ("norm",))
-        m = p + "mlp."
-        if cfg.is_moe(i):
-            e, mi = cfg.num_experts, cfg.moe_intermediate_size
-            layer[m + "gate.weight"] = ((e, h), (None, "embed"))
-            layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, h), (None, "mlp", "embed"))
-            layer[m + "experts.down_proj"] = ((e, h, mi), (None, "embed", "mlp"))
-        else:
-            inter = cfg.intermediate_size
-            layer[m + "gate_proj.weight"] = ((inter, h), ("mlp", "embed"))
-            layer[m + "up_proj.weight"] = ((inter, h), ("mlp", "embed"))
-            layer[m + "down_proj.weight"] = ((h, inter), ("embed", "mlp"))
-            if cfg.mlp_bias:
-                layer[m + "gate_proj.bias"] = ((inter,), ("mlp",))
-                layer[m + "up_proj.bias"] = ((inter,), ("mlp",))
-                layer[m + "down_proj.bias"] = ((h,), ("norm",))
-        specs.update({k: ParamSpec(*v) for k, v in layer.items()})
+    """Every parameter the forward reads, in torch layout. The decoder layers of one kind
+    (``cfg.layer_stacks[j]``) are stacked: ``stacks.{j}.<name in the layer>`` has a leading
+    layer axis (logical name ``layers``, never sharded), slice ``l`` holding HF layer
+    ``spec.layers[l]``, so the forward scans over them (one compiled layer per kind)."""
+    specs = {
+        "embed_tokens.weight": ParamSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
+    }
+    for j, (kind, layers) in enumerate(cfg.layer_stacks):
+        for name, (shape, axes) in _layer_specs(cfg, kind.moe).items():
+            specs[f"stacks.{j}.{name}"] = ParamSpec(
+                (len(layers), *shape), ("layers", *axes), layers
+            )
     return specs
 
 
@@ -113,6 +138,12 @@ class Checkpoint:
             )
         self._files: dict[str, SafetensorsFile] = {}
         self.prefix = self._prefix()
+
+    @property
+    def source(self) -> Path:
+        """The file that lists the tensors: the index, or the single safetensors file."""
+        index = self.folder / INDEX_FILE
+        return index if index.exists() else self.folder / SINGLE_FILE
 
     def _prefix(self) -> str:
         """The text model's key prefix: what precedes ``embed_tokens.weight`` (shortest)."""
@@ -155,23 +186,23 @@ class Checkpoint:
 Reader = Callable[[tuple[slice, ...]], np.ndarray]
 
 
-def _expert_reader(ckpt: Checkpoint, name: str, spec: ParamSpec) -> Reader:
+def _expert_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reader:
     """Stacked experts from per-expert tensors (``experts.{e}.gate_proj.weight`` ...)."""
     base = name.rsplit("experts.", 1)[0] + "experts."
     parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-    e_count, rows = spec.shape[0], spec.shape[1] // len(parts)
+    e_count, rows = shape[0], shape[1] // len(parts)
     for e in range(e_count):
         for part in parts:
             key = f"{base}{e}.{part}.weight"
             if key not in ckpt:
                 raise VerifierCheckpointError(
-                    f"{ckpt.folder}: no tensor {ckpt.prefix}{name} nor {ckpt.prefix}{key}"
+                    f"{ckpt.source}: no tensor {ckpt.prefix}{name} nor {ckpt.prefix}{key}"
                 )
-            want = (rows, spec.shape[2])
+            want = (rows, shape[2])
             if ckpt.shape(key) != want:
                 raise VerifierCheckpointError(
-                    f"{ckpt.folder}: {ckpt.prefix}{key} has shape {ckpt.shape(key)}, "
-                    f"config.json implies {want}"
+                    f"{ckpt.file(key)[0].path}: {ckpt.prefix}{key} has shape "
+                    f"{ckpt.shape(key)}, config.json implies {want}"
                 )
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
@@ -185,25 +216,45 @@ def _expert_reader(ckpt: Checkpoint, name: str, spec: ParamSpec) -> Reader:
     return read
 
 
+def _tensor_reader(ckpt: Checkpoint, cfg: VerifierConfig, name: str, shape: tuple) -> Reader:
+    """Slices of one HF tensor, after checking it exists with ``shape``."""
+    if name not in ckpt and ".experts." in name:
+        return _expert_reader(ckpt, name, shape)
+    if name not in ckpt:
+        raise VerifierCheckpointError(
+            f"{ckpt.source}: missing tensor {ckpt.prefix}{name} (config.json: "
+            f"{cfg.model_type}, {cfg.num_hidden_layers} layers)"
+        )
+    got = ckpt.shape(name)
+    if got != shape:
+        raise VerifierCheckpointError(
+            f"{ckpt.file(name)[0].path}: {ckpt.prefix}{name} has shape {got}, config.json "
+            f"implies {shape}"
+        )
+    return lambda index: np.asarray(ckpt.view(name)[index])
+
+
+def _stacked_reader(per_layer: list[Reader]) -> Reader:
+    """Slices of a stacked parameter: the requested layers, each read from its own tensor."""
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        layers, rest = index[0], tuple(index[1:])
+        return np.stack([per_layer[i](rest) for i in range(*layers.indices(len(per_layer)))])
+
+    return read
+
+
 def readers(ckpt: Checkpoint, cfg: VerifierConfig) -> dict[str, tuple[ParamSpec, Reader]]:
     """A slice reader per parameter, after checking every tensor exists with its shape."""
     out = {}
     for name, spec in param_specs(cfg).items():
-        if name not in ckpt and ".experts." in name:
-            out[name] = (spec, _expert_reader(ckpt, name, spec))
-            continue
-        if name not in ckpt:
-            raise VerifierCheckpointError(
-                f"{ckpt.folder}: missing tensor {ckpt.prefix}{name} (config.json: "
-                f"{cfg.model_type}, {cfg.num_hidden_layers} layers)"
-            )
-        got = ckpt.shape(name)
-        if got != spec.shape:
-            raise VerifierCheckpointError(
-                f"{ckpt.folder}: {ckpt.prefix}{name} has shape {got}, config.json implies "
-                f"{spec.shape}"
-            )
-        out[name] = (spec, lambda index, n=name: np.asarray(ckpt.view(n)[index]))
+        if spec.layers:
+            per_layer = [
+                _tensor_reader(ckpt, cfg, layer_key(name, i), spec.shape[1:]) for i in spec.layers
+            ]
+            out[name] = (spec, _stacked_reader(per_layer))
+        else:
+            out[name] = (spec, _tensor_reader(ckpt, cfg, name, spec.shape))
     return out
 
 
@@ -233,22 +284,36 @@ def load_params(
     else:
         shardings = param_shardings(cfg, mesh)
     np_dtype = np.dtype(dtype)
+
+    def shard(read: Reader, index: tuple[slice, ...]) -> np.ndarray:
+        a = read(index)  # a view of the memory map is copied; a stacked shard is new memory
+        return a.astype(np_dtype, copy=not a.flags.owndata)
+
     return {
         name: jax.make_array_from_callback(
-            spec.shape, shardings[name], lambda index, r=read: r(index).astype(np_dtype)
+            spec.shape, shardings[name], lambda index, r=read: shard(r, index)
         )
         for name, (spec, read) in table.items()
     }
 
 
 def params_from_numpy(tensors: dict[str, np.ndarray], cfg: VerifierConfig, dtype=jnp.float32):
-    """Parameters from in-memory torch-layout arrays keyed like :func:`param_specs` (tests)."""
-    out = {}
-    for name, spec in param_specs(cfg).items():
+    """Parameters from in-memory torch-layout arrays keyed by HF names without the model
+    prefix (``layers.3.mlp.up_proj.weight``), stacked as :func:`param_specs` says."""
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
             raise KeyError(f"missing tensor {name!r}")
         a = np.asarray(tensors[name])
-        if a.shape != spec.shape:
-            raise ValueError(f"{name}: shape {a.shape}, expected {spec.shape}")
+        if a.shape != shape:
+            raise ValueError(f"{name}: shape {a.shape}, expected {shape}")
+        return a
+
+    out = {}
+    for name, spec in param_specs(cfg).items():
+        if spec.layers:
+            a = np.stack([get(layer_key(name, i), spec.shape[1:]) for i in spec.layers])
+        else:
+            a = get(name, spec.shape)
         out[name] = jnp.asarray(a, dtype)
     return out

@@ -1,6 +1,7 @@
 """One of two processes loading a verifier over a 2x2 (fsdp, tensor) mesh of 4 CPU devices
 (2 per process). Prints ``ok <reads>`` when every addressable shard equals the file's slice
-and the process read exactly its own shards' slices (nothing else)."""
+(stacked layers: each layer's tensor's slice) and the process read exactly its own shards'
+slices (nothing else)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,15 @@ def main(folder: str, port: str, pid: str) -> None:
     params = weights.load_params(folder, cfg, mesh, np.float32)
     from safetensors.numpy import load_file
 
-    full = {
+    tensors = {
         k.removeprefix("model."): v for k, v in load_file(f"{folder}/model.safetensors").items()
+    }
+    specs = weights.param_specs(cfg)  # stacked layers: HF's tensors of those layers, stacked
+    full = {
+        n: np.stack([tensors[weights.layer_key(n, i)] for i in s.layers])
+        if s.layers
+        else tensors[n]
+        for n, s in specs.items()
     }
     sharded = 0
     for name, arr in params.items():
