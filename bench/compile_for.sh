@@ -28,7 +28,7 @@ ROWS=(
   # issue 29: 256K-token rows, each over 2 chips (context), 4 rows per step
   "v5p-16_fsdp4_ctx2_s256k_remat tpu:v5p:2x2x2 fsdp=4,context=2 4 --gradient-checkpointing --total-seq-len 262144"
   "v5p-16_fsdp2_ctx4_s512k_remat tpu:v5p:2x2x2 fsdp=2,context=4 2 --gradient-checkpointing --total-seq-len 524288"
-  "v5p-16_ctx8_s1m_remat tpu:v5p:2x2x2 context=8 1 --gradient-checkpointing --total-seq-len 1048576"
+  "v5p-16_ctx8_s1m_remat tpu:v5p:2x2x2 context=8 1 --gradient-checkpointing --total-seq-len 1048576 --on-missing raise"
   "v6e-16_fsdp4_ctx4_s256k_remat tpu:v6e:4x4 fsdp=4,context=4 4 --gradient-checkpointing --total-seq-len 262144"
   # a Qwen3-8B-shaped drafter (QWEN3_8B below: hidden 4096, vocab 151936, 5 layers) at 128K
   "q8b-v6e-8_fsdp2_ctx4_s128k_remat tpu:v6e:2x4 fsdp=2,context=4 2 --gradient-checkpointing QWEN3_8B"

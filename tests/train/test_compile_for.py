@@ -175,6 +175,8 @@ def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
         total_seq_len=64, loss_chunk_tokens=8, gradient_checkpointing=False
     )
     monkeypatch.setattr(compile_report, "compile_steps", lambda trainer: steps)
+    # the train step compiled: the report adds its model FLOPs (the real trainer's cfg)
+    monkeypatch.setattr(compile_report, "model_flops_per_chip", lambda trainer, chips: 2e12)
     assert compile_report.compile_report(types.SimpleNamespace(args=args)) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[1].endswith("total 0.00 GiB of 0.00 GiB (test): does not fit")
