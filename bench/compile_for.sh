@@ -28,12 +28,18 @@ ROWS=(
   # issue 29: 256K-token rows, each over 2 chips (context), 4 rows per step
   "v5p-16_fsdp4_ctx2_s256k_remat tpu:v5p:2x2x2 fsdp=4,context=2 4 --gradient-checkpointing --total-seq-len 262144"
   "v5p-16_fsdp2_ctx4_s512k_remat tpu:v5p:2x2x2 fsdp=2,context=4 2 --gradient-checkpointing --total-seq-len 524288"
-  "v5p-16_ctx8_s1m_remat tpu:v5p:2x2x2 context=8 1 --gradient-checkpointing --total-seq-len 1048576 --on-missing raise"
-  "v6e-16_fsdp4_ctx4_s256k_remat tpu:v6e:4x4 fsdp=4,context=4 4 --gradient-checkpointing --total-seq-len 262144"
+  "v5p-16_ctx8_s1m_remat tpu:v5p:2x2x2 context=8 1 --gradient-checkpointing --total-seq-len 1048576 --on-missing raise K3_FILES"
+  "v6e-16_fsdp4_ctx4_s256k_remat tpu:v6e:4x4 fsdp=4,context=4 4 --gradient-checkpointing --total-seq-len 262144 --on-missing raise K3_FILES"
   # a Qwen3-8B-shaped drafter (QWEN3_8B below: hidden 4096, vocab 151936, 5 layers) at 128K
   "q8b-v6e-8_fsdp2_ctx4_s128k_remat tpu:v6e:2x4 fsdp=2,context=4 2 --gradient-checkpointing QWEN3_8B"
   "q8b-h200-8_fsdp2_ctx4_s128k_remat gpu:h200:8 fsdp=2,context=4 2 --gradient-checkpointing QWEN3_8B"
 )
+# The rows marked K3_FILES read the seed's hidden states from files (a row split over
+# processes reads its tokens' hidden states from files only): the seed config without
+# its online-extraction keys (Mooncake, vLLM endpoint, --on-missing generate).
+K3_FILES=$OUT/k3_files.yaml
+grep -vE '^ *(hidden_states_backend|mooncake_[a-z_]+|vllm_endpoint|on_missing|request_timeout|max_retries|generation_validation_retries|max_consecutive_generation_failures):' \
+  configs/kimi_k3/train.yaml >"$K3_FILES"
 # The rows marked QWEN3_8B replace the seed config by these flags (config.json only).
 QWEN3_8B=(--verifier-name-or-path configs/qwen3_8b_shape/verifier --target-layer-ids 2 18 33
           --mask-token-id 151643 --num-layers 5 --total-seq-len 131072
@@ -44,6 +50,7 @@ for row in "${ROWS[@]}"; do
   [[ $name == "${1:-}"* ]] || continue
   base=(--config configs/kimi_k3/train.yaml)
   if [[ ${extra:-} == *QWEN3_8B ]]; then base=("${QWEN3_8B[@]}"); extra=${extra%QWEN3_8B}; fi
+  if [[ ${extra:-} == *K3_FILES ]]; then base=(--config "$K3_FILES"); extra=${extra%K3_FILES}; fi
   cmd=("$PYTHON" -m dspark_jax.train "${base[@]}" --dry-run
        --compile-for "$target" --mesh "$mesh" --rows-per-step "$rows" ${extra:-})
   {
