@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.model.attention import anchored_block_attention
 from dspark_jax.model.layers import (
     apply_rope,
     gemma_rms_norm,
@@ -97,12 +98,21 @@ def rope_for_row(cfg: VerifierConfig, position_ids: jax.Array, document_ids: jax
     """cos/sin [S, D] fp32 per rope kind; each token's frequencies use its document's length
     (transformers' dynamic/longrope update sees one document: max position + 1)."""
     # length of a token's document = its last token's position id + 1
-    doc_len = position_ids[_document_last_index(document_ids)] + 1
+    return rope_at(cfg, position_ids, document_lengths(position_ids, document_ids))
+
+
+def document_lengths(position_ids: jax.Array, document_ids: jax.Array) -> jax.Array:
+    """[S] int: the length of each token's document (its last position id + 1)."""
+    return position_ids[_document_last_index(document_ids)] + 1
+
+
+def rope_at(cfg: VerifierConfig, positions: jax.Array, doc_len: jax.Array):
+    """cos/sin [T, D] fp32 per rope kind for positions [T] of documents of lengths [T]."""
     out = {}
     for kind, view in cfg.ropes:
         tables = rope_tables(view)
-        inv = jax.vmap(lambda n, t=tables: rope_frequencies(t, n))(doc_len)  # [S, D/2]
-        freqs = position_ids.astype(_F32)[:, None] * inv
+        inv = jax.vmap(lambda n, t=tables: rope_frequencies(t, n))(doc_len)  # [T, D/2]
+        freqs = positions.astype(_F32)[:, None] * inv
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         scale = jnp.asarray(tables.attention_scaling)
         out[kind] = (jnp.cos(emb) * scale, jnp.sin(emb) * scale)
@@ -117,19 +127,30 @@ def _document_last_index(document_ids: jax.Array) -> jax.Array:
     return jnp.flip(jax.lax.cummin(jnp.flip(idx)))
 
 
-def _attention(cfg, params, p, kind, x, rope, document_ids, dense, q_block, kv_chunk):
-    S, d = x.shape[0], cfg.head_dim
-    q = _linear(params, p + "q_proj", x).reshape(S, cfg.num_attention_heads, d)
-    k = _linear(params, p + "k_proj", x).reshape(S, cfg.num_key_value_heads, d)
-    v = _linear(params, p + "v_proj", x).reshape(S, cfg.num_key_value_heads, d)
+def _qkv(cfg, params, p, x, rope):
+    """Projected, normed (qk_norm) and rotated q [T, Nh, D], k/v [T, Nkv, D], in the
+    projection weights' dtype (the attention's matmul operands)."""
+    T, d = x.shape[0], cfg.head_dim
+    q = _linear(params, p + "q_proj", x).reshape(T, cfg.num_attention_heads, d)
+    k = _linear(params, p + "k_proj", x).reshape(T, cfg.num_key_value_heads, d)
+    v = _linear(params, p + "v_proj", x).reshape(T, cfg.num_key_value_heads, d)
     if cfg.qk_norm:
         q = _norm(cfg, q, params[p + "q_norm.weight"])
         k = _norm(cfg, k, params[p + "k_norm.weight"])
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cd = params[p + "q_proj.weight"].dtype
-    kwargs = dict(scale=cfg.query_scale, sliding_window=kind.window, softcap=cfg.attn_softcap)
-    q, k, v = q.astype(cd), k.astype(cd), v.astype(cd)
+    return q.astype(cd), k.astype(cd), v.astype(cd)
+
+
+def _attention_options(cfg: VerifierConfig, kind: LayerKind) -> dict:
+    return dict(scale=cfg.query_scale, sliding_window=kind.window, softcap=cfg.attn_softcap)
+
+
+def _attention(cfg, params, p, kind, x, rope, document_ids, dense, q_block, kv_chunk):
+    S = x.shape[0]
+    q, k, v = _qkv(cfg, params, p, x, rope)
+    kwargs = _attention_options(cfg, kind)
     if dense:
         out = dense_document_causal_attention(q, k, v, document_ids, **kwargs)
     else:
@@ -144,6 +165,11 @@ def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x: jax.Array, ropes
     (``self_attn.q_proj.weight``); x [S, H] fp32 -> [S, H] fp32."""
     h = _norm(cfg, x, lp["input_layernorm.weight"])
     h = _attention(cfg, lp, "self_attn.", kind, h, ropes[kind.rope], doc, *opts)
+    return _after_attention(cfg, kind, lp, x, h)
+
+
+def _after_attention(cfg: VerifierConfig, kind: LayerKind, lp: Params, x, h) -> jax.Array:
+    """The layer's residual adds and MLP, given its attention output h [T, H]."""
     if cfg.gemma_norms:
         x = x + _norm(cfg, h, lp["post_attention_layernorm.weight"])
         h = _norm(cfg, x, lp["pre_feedforward_layernorm.weight"])
@@ -185,9 +211,10 @@ def layer_blocks(kinds: Sequence[LayerKind], lo: int, hi: int) -> list[Block]:
     return blocks
 
 
-def _run_block(cfg: VerifierConfig, params: Params, block: Block, x, ropes, doc, opts):
+def _run_block(cfg: VerifierConfig, params: Params, block: Block, carry, layer_fn):
     """Scan the block's layers: iteration t runs layers start + t*period + o, o < period,
-    each reading its slice of its kind's stack (dynamic index, no copy of the stack)."""
+    each reading its slice of its kind's stack (dynamic index, no copy of the stack).
+    ``layer_fn(kind, layer_params, carry) -> carry`` runs one layer."""
     stacks = cfg.layer_stacks
     where = {i: (j, layers.index(i)) for j, (_, layers) in enumerate(stacks) for i in layers}
     names = {j: [n for n in params if n.startswith(f"stacks.{j}.")] for j in range(len(stacks))}
@@ -199,17 +226,25 @@ def _run_block(cfg: VerifierConfig, params: Params, block: Block, x, ropes, doc,
         stride = sum(where[block.start + u][0] == j for u in range(block.period))
         body_layers.append((cfg.kind(i), j, rank, stride))
 
-    def body(x, t):
+    def body(carry, t):
         for kind, j, rank, stride in body_layers:
             at = rank + t * stride
             lp = {
                 n.split(".", 2)[2]: jax.lax.dynamic_index_in_dim(params[n], at, 0, keepdims=False)
                 for n in names[j]
             }
-            x = _layer(cfg, kind, lp, x, ropes, doc, opts)
-        return x, None
+            carry = layer_fn(kind, lp, carry)
+        return carry, None
 
-    x, _ = jax.lax.scan(body, x, jnp.arange(block.repeats, dtype=jnp.int32))
+    carry, _ = jax.lax.scan(body, carry, jnp.arange(block.repeats, dtype=jnp.int32))
+    return carry
+
+
+def _embed(cfg: VerifierConfig, params: Params, ids: jax.Array) -> jax.Array:
+    embed = params["embed_tokens.weight"]
+    x = embed[ids].astype(_F32)
+    if cfg.embed_scale is not None:  # transformers scales in the weights' dtype
+        x = x * jnp.asarray(cfg.embed_scale, embed.dtype).astype(_F32)
     return x
 
 
@@ -243,19 +278,20 @@ def hidden_states(
     input_ids, position_ids, document_ids = map(
         jnp.asarray, (input_ids, position_ids, document_ids)
     )
-    embed = params["embed_tokens.weight"]
-    out_dtype = embed.dtype if out_dtype is None else out_dtype
-    x = embed[input_ids].astype(_F32)
-    if cfg.embed_scale is not None:  # transformers scales in the weights' dtype
-        x = x * jnp.asarray(cfg.embed_scale, embed.dtype).astype(_F32)
+    out_dtype = params["embed_tokens.weight"].dtype if out_dtype is None else out_dtype
+    x = _embed(cfg, params, input_ids)
     ropes = rope_for_row(cfg, position_ids, document_ids)
     opts = (dense_attention, q_block, kv_chunk)
     kinds = [cfg.kind(i) for i in range(cfg.num_hidden_layers)]
     captured = [x] if 0 in layer_ids else []
+
+    def layer_fn(kind, lp, x):
+        return _layer(cfg, kind, lp, x, ropes, document_ids, opts)
+
     lo = 0
     for hi in (i for i in layer_ids if i > 0):
         for block in layer_blocks(kinds, lo, hi):
-            x = _run_block(cfg, params, block, x, ropes, document_ids, opts)
+            x = _run_block(cfg, params, block, x, layer_fn)
         captured.append(x)
         lo = hi
     return jnp.stack(captured, axis=1).astype(out_dtype)
@@ -273,3 +309,79 @@ def batch_hidden_states(params: Params, cfg: VerifierConfig, batch: dict, layer_
     if cfg.num_experts:
         return jax.lax.map(lambda r: hidden_states(params, cfg, *r, layer_ids, **kw), rows)
     return jax.vmap(lambda *r: hidden_states(params, cfg, *r, layer_ids, **kw))(*rows)
+
+
+def drafted_blocks_supported(cfg: VerifierConfig) -> str | None:
+    """Why :func:`drafted_hidden` cannot run this verifier, or None. Its block pass uses the
+    drafter's anchored-block attention, which has neither sliding windows, soft caps nor a
+    query scale other than head_dim**-0.5."""
+    if any(w is not None for w in cfg.layer_windows):
+        return "sliding-window attention layers"
+    if cfg.attn_softcap is not None:
+        return "soft-capped attention scores"
+    if cfg.query_scale != cfg.head_dim**-0.5:
+        return f"query scale {cfg.query_scale} (not head_dim**-0.5)"
+    return None
+
+
+def drafted_hidden(
+    params: Params,
+    cfg: VerifierConfig,
+    input_ids: jax.Array,
+    position_ids: jax.Array,
+    document_ids: jax.Array,
+    anchors: jax.Array,
+    block_tokens: jax.Array,
+    *,
+    q_block: int = 128,
+    kv_chunk: int = 512,
+) -> jax.Array:
+    """The verifier's layer-N residual (before its final norm), fp32 [A, Bk, Ht], at drafted
+    blocks: ``block_tokens[a, j]`` (verifier ids, [A, Bk]) sits at row index
+    ``anchors[a] + j``, position ``position_ids[anchors[a]] + j`` of the anchor's document, and
+    its prefix is that document's tokens before ``anchors[a]`` followed by
+    ``block_tokens[a, :j + 1]`` (Draft-OPD's targets on the drafter's own tokens).
+
+    The row runs through every layer beside the blocks, for its keys and values: block slot
+    j of a layer attends to the row's keys before the anchor in its document and to its
+    block's keys up to j (``anchored_block_attention``, causal in the block), so nothing of
+    [A * Bk, S] is built. Same numerics as :func:`hidden_states`. No gradient.
+    """
+    why = drafted_blocks_supported(cfg)
+    if why is not None:
+        raise ValueError(f"drafted_hidden: the verifier has {why}")
+    params = jax.lax.stop_gradient(params)
+    num, bk = block_tokens.shape
+    x = _embed(cfg, params, input_ids)
+    xb = _embed(cfg, params, block_tokens.reshape(-1))
+    doc_len = document_lengths(position_ids, document_ids)
+    ropes = rope_at(cfg, position_ids, doc_len)
+    block_pos = (position_ids[anchors][:, None] + jnp.arange(bk, dtype=position_ids.dtype)).reshape(
+        -1
+    )
+    ropes_b = rope_at(cfg, block_pos, jnp.repeat(doc_len[anchors], bk))
+
+    def layer_fn(kind, lp, carry):
+        x, xb = carry
+        p = "self_attn."
+        h = _norm(cfg, x, lp["input_layernorm.weight"])
+        hb = _norm(cfg, xb, lp["input_layernorm.weight"])
+        q, k, v = _qkv(cfg, lp, p, h, ropes[kind.rope])
+        o = document_causal_attention(
+            q, k, v, document_ids, q_block=q_block, kv_chunk=kv_chunk,
+            **_attention_options(cfg, kind),
+        )  # fmt: skip
+        x = _after_attention(cfg, kind, lp, x, _linear(lp, p + "o_proj", o.reshape(len(x), -1)))
+        qb, kb, vb = _qkv(cfg, lp, p, hb, ropes_b[kind.rope])
+        ob = anchored_block_attention(
+            qb, k, v, kb, vb, anchors, document_ids,
+            block_size=bk, sliding_window=None, causal_in_block=True, kv_chunk=kv_chunk,
+        )  # fmt: skip
+        ob = _linear(lp, p + "o_proj", ob.reshape(num * bk, -1))
+        return x, _after_attention(cfg, kind, lp, xb, ob)
+
+    kinds = [cfg.kind(i) for i in range(cfg.num_hidden_layers)]
+    carry = (x, xb)
+    for block in layer_blocks(kinds, 0, cfg.num_hidden_layers):
+        carry = _run_block(cfg, params, block, carry, layer_fn)
+    return carry[1].reshape(num, bk, -1)
