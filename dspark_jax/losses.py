@@ -47,6 +47,7 @@ __all__ = [
     "cumulative_reach_weights",
     "dpace_weights",
     "dpard_weights",
+    "draft_opd_loss",
     "dspark_loss",
     "fixed_exp_decay_weights",
     "parse_loss_fn",
@@ -63,6 +64,7 @@ _LOSS_REDUCTION_EPS = 1e-5  # speculators.losses.utils._LOSS_REDUCTION_EPS
 _CONF_EPS = 1e-8  # speculators.models.dspark.metrics._EPS
 _NLA_EPS = 1e-5  # speculators.losses.eager._NLA_EPS
 _LK_HYBRID_ETA = 3.0  # lk_hybrid_loss's default, the one the loss map uses
+_OPD_EPS = 1e-5  # speculators.models.opd_loss._EPS (a clamp, not an addend)
 
 
 # --------------------------------------------------------------------------------------
@@ -469,6 +471,91 @@ def cumulative_reach_weights(
 # --------------------------------------------------------------------------------------
 
 
+def _draft_prefix(accept, mask_f, block_size, start_pos):
+    """[A, B - start] draft-slot mask and cumulative product of the accept values."""
+    num_blocks = mask_f.shape[0] // block_size
+    draft_mask = mask_f.reshape(num_blocks, block_size)[:, start_pos:]
+    accept_blocks = accept.reshape(num_blocks, block_size)[:, start_pos:]
+    return draft_mask, jnp.cumprod(accept_blocks * draft_mask, axis=-1)
+
+
+def confidence_metrics(
+    conf: jax.Array,
+    conf_loss: jax.Array,
+    accept: jax.Array,
+    mask_f: jax.Array,
+    block_size: int,
+    start_pos: int,
+) -> dict[str, jax.Array]:
+    """The reference's ``confidence_*`` metrics of [Q] confidence logits against the
+    detached accept values [Q] over the masked slots (no gradient)."""
+    draft_mask, accept_prefix = _draft_prefix(accept, mask_f, block_size, start_pos)
+    num_blocks = mask_f.shape[0] // block_size
+    mask_total = jnp.maximum(jnp.sum(mask_f), 1.0)
+    conf_prob = jax.nn.sigmoid(jax.lax.stop_gradient(conf))
+    conf_prefix = jnp.cumprod(
+        conf_prob.reshape(num_blocks, block_size)[:, start_pos:] * draft_mask, axis=-1
+    )
+    return {
+        "confidence_loss_sum": jax.lax.stop_gradient(conf_loss),
+        "confidence_loss_total": jnp.ones((), jnp.float32),
+        "confidence_abs_error_sum": jnp.sum(jnp.abs(conf_prob - accept) * mask_f),
+        "confidence_abs_error_total": mask_total,
+        "confidence_pred_mean_sum": jnp.sum(conf_prob * mask_f),
+        "confidence_pred_mean_total": mask_total,
+        "confidence_cumprod_bias_sum": jnp.sum((conf_prefix - accept_prefix) * draft_mask),
+        "confidence_cumprod_bias_total": jnp.maximum(jnp.sum(draft_mask), 1.0),
+    }
+
+
+def acceptance_metrics(
+    values: dict[str, jax.Array],
+    accept: jax.Array,
+    mask_f: jax.Array,
+    block_size: int,
+    start_pos: int,
+) -> dict[str, jax.Array]:
+    """The reference's acceptance metrics (``accept_rate``, ``accept_len``, ``full_acc``,
+    ``position_{k}_acc``, ``eal``) of one row's slots: accept values [Q], the argmaxes in
+    ``values`` and the slot mask [Q] (no gradient)."""
+    num_blocks = mask_f.shape[0] // block_size
+    mask_b = mask_f != 0
+    mask_total = jnp.maximum(jnp.sum(mask_f), 1.0)
+    draft_mask, accept_prefix = _draft_prefix(accept, mask_f, block_size, start_pos)
+    metrics: dict[str, jax.Array] = {}
+    metrics["accept_rate_sum"] = jnp.sum(accept * mask_f)
+    metrics["accept_rate_total"] = mask_total
+
+    # Analytical expected accepted length per block, counting the bonus token.
+    block_valid = (jnp.sum(draft_mask, axis=-1) > 0).astype(jnp.float32)
+    metrics["accept_len_sum"] = jnp.sum((jnp.sum(accept_prefix, axis=-1) + 1.0) * block_valid)
+    metrics["accept_len_total"] = jnp.maximum(jnp.sum(block_valid), 1.0)
+
+    # Greedy per-position accuracy over masked slots.
+    correct = values["pred_ids"] == values["target_ids"]
+    counted = mask_b.reshape(num_blocks, block_size).astype(jnp.float32)
+    correct_per_pos = jnp.sum(
+        (correct & mask_b).reshape(num_blocks, block_size).astype(jnp.float32), axis=0
+    )
+    total_per_pos = jnp.sum(counted, axis=0)
+    metrics["full_acc_sum"] = jnp.sum(correct_per_pos[start_pos:])
+    metrics["full_acc_total"] = jnp.sum(total_per_pos[start_pos:])
+    for k in range(start_pos, block_size):
+        metrics[f"position_{k}_acc_sum"] = correct_per_pos[k]
+        metrics[f"position_{k}_acc_total"] = total_per_pos[k]
+
+    # Greedy accepted length: leading run of correct valid draft slots + bonus token,
+    # over blocks with any valid draft slot (eal_total is not clamped, as in the reference).
+    valid = draft_mask != 0
+    accepted = (correct.reshape(num_blocks, block_size)[:, start_pos:] & valid).astype(jnp.float32)
+    eal_block_valid = jnp.any(valid, axis=-1).astype(jnp.float32)
+    metrics["eal_sum"] = jnp.sum(
+        (jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1) + 1.0) * eal_block_valid
+    )
+    metrics["eal_total"] = jnp.sum(eal_block_valid)
+    return metrics
+
+
 def _bce_with_logits(x: jax.Array, y: jax.Array) -> jax.Array:
     """torch's ``binary_cross_entropy_with_logits(reduction='none')`` formula."""
     return (1.0 - y) * x + jnp.logaddexp(0.0, -x)
@@ -531,7 +618,6 @@ def dspark_loss(
     start_pos = 0 if sample_from_anchor else 1
 
     mask_f = jnp.asarray(loss_mask).astype(jnp.float32)
-    mask_b = jnp.asarray(loss_mask) != 0
     pos = jnp.arange(num_slots, dtype=jnp.int32) % block_size
     fixed_w = fixed_exp_decay_weights(pos, gamma, sample_from_anchor)
 
@@ -559,9 +645,6 @@ def dspark_loss(
             term_losses[f"{name}_loss"] = jax.lax.stop_gradient(term)
         loss = loss + weight * term
 
-    accept_blocks = accept.reshape(num_blocks, block_size)
-    draft_mask = mask_f.reshape(num_blocks, block_size)[:, start_pos:]
-    accept_prefix = jnp.cumprod(accept_blocks[:, start_pos:] * draft_mask, axis=-1)
     mask_total = jnp.maximum(jnp.sum(mask_f), 1.0)
     one = jnp.ones((), jnp.float32)
 
@@ -578,18 +661,7 @@ def dspark_loss(
             conf_loss = jnp.sum(bce * mask_f * fixed_w) / (jnp.sum(mask_f) + _CONF_EPS)
         loss = loss + confidence_head_alpha * conf_loss
 
-        conf_prob = jax.nn.sigmoid(jax.lax.stop_gradient(conf))
-        conf_prefix = jnp.cumprod(
-            conf_prob.reshape(num_blocks, block_size)[:, start_pos:] * draft_mask, axis=-1
-        )
-        metrics["confidence_loss_sum"] = jax.lax.stop_gradient(conf_loss)
-        metrics["confidence_loss_total"] = one
-        metrics["confidence_abs_error_sum"] = jnp.sum(jnp.abs(conf_prob - accept) * mask_f)
-        metrics["confidence_abs_error_total"] = mask_total
-        metrics["confidence_pred_mean_sum"] = jnp.sum(conf_prob * mask_f)
-        metrics["confidence_pred_mean_total"] = mask_total
-        metrics["confidence_cumprod_bias_sum"] = jnp.sum((conf_prefix - accept_prefix) * draft_mask)
-        metrics["confidence_cumprod_bias_total"] = jnp.maximum(jnp.sum(draft_mask), 1.0)
+        metrics.update(confidence_metrics(conf, conf_loss, accept, mask_f, block_size, start_pos))
 
     metrics["loss_sum"] = jax.lax.stop_gradient(loss)
     metrics["loss_total"] = one
@@ -612,34 +684,84 @@ def dspark_loss(
                 jnp.sum(mask_blocks[:, k]), 1.0
             )
 
-    metrics["accept_rate_sum"] = jnp.sum(accept * mask_f)
-    metrics["accept_rate_total"] = mask_total
+    metrics.update(acceptance_metrics(values, accept, mask_f, block_size, start_pos))
+    return loss, metrics
 
-    # Analytical expected accepted length per block, counting the bonus token.
-    block_valid = (jnp.sum(draft_mask, axis=-1) > 0).astype(jnp.float32)
-    metrics["accept_len_sum"] = jnp.sum((jnp.sum(accept_prefix, axis=-1) + 1.0) * block_valid)
-    metrics["accept_len_total"] = jnp.maximum(jnp.sum(block_valid), 1.0)
 
-    # Greedy per-position accuracy over masked slots.
-    correct = values["pred_ids"] == values["target_ids"]
-    counted = mask_b.reshape(num_blocks, block_size).astype(jnp.float32)
-    correct_per_pos = jnp.sum(
-        (correct & mask_b).reshape(num_blocks, block_size).astype(jnp.float32), axis=0
-    )
-    total_per_pos = jnp.sum(counted, axis=0)
-    metrics["full_acc_sum"] = jnp.sum(correct_per_pos[start_pos:])
-    metrics["full_acc_total"] = jnp.sum(total_per_pos[start_pos:])
-    for k in range(start_pos, block_size):
-        metrics[f"position_{k}_acc_sum"] = correct_per_pos[k]
-        metrics[f"position_{k}_acc_total"] = total_per_pos[k]
+def draft_opd_loss(
+    values: dict[str, jax.Array],
+    confidence_logits: jax.Array | None,
+    loss_mask: jax.Array,
+    *,
+    block_size: int,
+    sample_from_anchor: bool,
+    gamma_opd: float = 0.8,
+    lambda_acc: float = 1.0,
+    lambda_rej: float = 1.0,
+    gamma: float = 4.0,
+    confidence_head_alpha: float = 1.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Draft-OPD loss and metrics of one packed row (docs/math.md, "Draft-OPD").
 
-    # Greedy accepted length: leading run of correct valid draft slots + bonus token,
-    # over blocks with any valid draft slot (eal_total is not clamped, as in the reference).
-    valid = draft_mask != 0
-    accepted = (correct.reshape(num_blocks, block_size)[:, start_pos:] & valid).astype(jnp.float32)
-    eal_block_valid = jnp.any(valid, axis=-1).astype(jnp.float32)
-    metrics["eal_sum"] = jnp.sum(
-        (jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1) + 1.0) * eal_block_valid
-    )
-    metrics["eal_total"] = jnp.sum(eal_block_valid)
+    ``values``: :func:`per_position_values` with terms ``("kl_div", "rkl")`` of the
+    free-running slots, the drafter conditioned on its own greedy tokens and the targets
+    the verifier's distributions on that drafted prefix. A slot is accepted when its and
+    every earlier draft slot's argmaxes agree (slots before the first draft slot count as
+    accepted, speculators' ``build_accept_mask``). With ``I_acc``/``I_rej`` the masked
+    accepted/rejected slots and ``k`` the slot's index in its block:
+
+        L_acc = sum_acc KL(p || q) / max(|I_acc|, 1e-5)
+        L_rej = sum_rej gamma_opd^k KL(q || p) / max(sum_rej gamma_opd^k, 1e-5)
+        L = (lambda_acc L_acc + lambda_rej L_rej) / (lambda_acc + lambda_rej)
+
+    (speculators ``opd_loss``), plus ``confidence_head_alpha`` times the confidence BCE of
+    :func:`dspark_loss` against these slots' accept values (the head then learns the
+    acceptance of the tokens it really drafts). Metrics: ``loss``, ``opd_acc_loss``,
+    ``opd_rej_loss``, ``opd_accepted`` (accepted share of the masked slots), the
+    confidence and acceptance metrics of :func:`dspark_loss`.
+    """
+    missing = [k for k in ("kl_div", "rkl", "accept", "pred_ids", "target_ids") if k not in values]
+    if missing:
+        raise ValueError(f"values lacks {missing}; compute them with per_position_values")
+    num_slots = loss_mask.shape[0]
+    if num_slots % block_size:
+        raise ValueError(f"Q ({num_slots}) must be a multiple of block_size ({block_size})")
+    if lambda_acc < 0 or lambda_rej < 0 or lambda_acc + lambda_rej <= 0:
+        raise ValueError(f"lambda_acc {lambda_acc}, lambda_rej {lambda_rej}: need >= 0, sum > 0")
+    num_blocks = num_slots // block_size
+    start_pos = 0 if sample_from_anchor else 1
+    mask_f = jnp.asarray(loss_mask).astype(jnp.float32)
+    pos = jnp.arange(num_slots, dtype=jnp.int32) % block_size
+
+    match = (values["pred_ids"] == values["target_ids"]).reshape(num_blocks, block_size)
+    match = match | (jnp.arange(block_size) < start_pos)[None]
+    accept_mask = jnp.cumprod(match.astype(jnp.float32), axis=-1).reshape(num_slots)
+    accepted = accept_mask * mask_f
+    rejected = (1.0 - accept_mask) * mask_f
+    fkl = values["kl_div"].astype(jnp.float32)
+    rkl = values["rkl"].astype(jnp.float32)
+    l_acc = jnp.sum(fkl * accepted) / jnp.maximum(jnp.sum(accepted), _OPD_EPS)
+    decay = jnp.float32(gamma_opd) ** pos.astype(jnp.float32)
+    l_rej = jnp.sum(rkl * rejected * decay) / jnp.maximum(jnp.sum(rejected * decay), _OPD_EPS)
+    loss = (lambda_acc * l_acc + lambda_rej * l_rej) / (lambda_acc + lambda_rej)
+
+    accept = jax.lax.stop_gradient(values["accept"]).astype(jnp.float32)
+    one = jnp.ones((), jnp.float32)
+    metrics: dict[str, Any] = {}
+    if confidence_logits is not None:
+        conf = confidence_logits.astype(jnp.float32)
+        fixed_w = fixed_exp_decay_weights(pos, gamma, sample_from_anchor)
+        bce = _bce_with_logits(conf, accept)
+        conf_loss = jnp.sum(bce * mask_f * fixed_w) / (jnp.sum(mask_f) + _CONF_EPS)
+        loss = loss + confidence_head_alpha * conf_loss
+        metrics.update(confidence_metrics(conf, conf_loss, accept, mask_f, block_size, start_pos))
+    metrics["loss_sum"] = jax.lax.stop_gradient(loss)
+    metrics["loss_total"] = one
+    metrics["opd_acc_loss_sum"] = jax.lax.stop_gradient(l_acc)
+    metrics["opd_acc_loss_total"] = one
+    metrics["opd_rej_loss_sum"] = jax.lax.stop_gradient(l_rej)
+    metrics["opd_rej_loss_total"] = one
+    metrics["opd_accepted_sum"] = jnp.sum(accepted)
+    metrics["opd_accepted_total"] = jnp.maximum(jnp.sum(mask_f), 1.0)
+    metrics.update(acceptance_metrics(values, accept, mask_f, block_size, start_pos))
     return loss, metrics

@@ -14,6 +14,7 @@ from dspark_jax.losses import (
     cumulative_reach_weights,
     dpace_weights,
     dpard_weights,
+    draft_opd_loss,
     dspark_loss,
     fixed_exp_decay_weights,
     parse_loss_fn,
@@ -840,3 +841,121 @@ def test_parse_loss_fn_accepts_names_and_json():
 def test_parse_loss_fn_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_loss_fn(spec)
+
+
+# --------------------------------------------------------------------------------------
+# Draft-OPD (speculators docs/draft-opd.md, src/speculators/models/opd_loss.py)
+
+OPD_B, OPD_A = 4, 6
+
+
+def _opd_inputs(seed, sample_from_anchor):
+    """Per-slot values as per_position_values hands them: KL terms, argmaxes that agree on
+    most slots (so blocks have accepted prefixes of every length), a mask with holes."""
+    rng = np.random.default_rng(seed)
+    q = OPD_A * OPD_B
+    target = rng.integers(0, 5, q).astype(np.int32)
+    pred = np.where(rng.random(q) < 0.7, target, (target + 1) % 5).astype(np.int32)
+    mask = (rng.random(q) < 0.85).astype(np.float32)
+    if not sample_from_anchor:
+        mask[::OPD_B] = 0.0  # slot 0 is the anchor itself
+    values = {
+        "kl_div": rng.exponential(1.0, q).astype(np.float32),
+        "rkl": rng.exponential(1.0, q).astype(np.float32),
+        "accept": rng.random(q).astype(np.float32),
+        "pred_ids": pred,
+        "target_ids": target,
+    }
+    return values, mask
+
+
+def _opd_oracle(values, mask, *, start, gamma_opd, la, lr, prefix=True):
+    """Float64, from the definitions: accepted = every draft slot up to this one matches
+    (slots before ``start`` count as matching), L_acc = sum FKL over accepted masked slots /
+    max(count, 1e-5), L_rej = sum gamma^k RKL over rejected masked slots / max(sum gamma^k,
+    1e-5), k the slot's index in its block; L = (la L_acc + lr L_rej) / (la + lr)."""
+    acc = np.zeros(len(mask))
+    for first in range(0, len(mask), OPD_B):
+        ok = True
+        for k in range(OPD_B):
+            i = first + k
+            match = k < start or values["pred_ids"][i] == values["target_ids"][i]
+            ok = (ok or not prefix) and match
+            acc[i] = float(ok)
+    m = mask.astype(np.float64)
+    fkl, rkl = (values[n].astype(np.float64) for n in ("kl_div", "rkl"))
+    decay = gamma_opd ** (np.arange(len(mask)) % OPD_B)
+    a, r = acc * m, (1 - acc) * m
+    l_acc = (fkl * a).sum() / max(a.sum(), 1e-5)
+    l_rej = (rkl * r * decay).sum() / max((r * decay).sum(), 1e-5)
+    scale = (fkl * a).sum() / max(a.sum(), 1e-5) + (rkl * r * decay).sum() / max(
+        (r * decay).sum(), 1e-5
+    )
+    return (la * l_acc + lr * l_rej) / (la + lr), l_acc, l_rej, a.sum(), scale
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+@pytest.mark.parametrize("gamma_opd,la,lr", [(0.8, 1.0, 1.0), (0.5, 2.0, 0.5)])
+def test_draft_opd_loss_matches_the_definition(sample_from_anchor, gamma_opd, la, lr):
+    values, mask = _opd_inputs(3, sample_from_anchor)
+    start = 0 if sample_from_anchor else 1
+    loss, metrics = jax.jit(
+        lambda v, m: draft_opd_loss(
+            v,
+            None,
+            m,
+            block_size=OPD_B,
+            sample_from_anchor=sample_from_anchor,
+            gamma_opd=gamma_opd,
+            lambda_acc=la,
+            lambda_rej=lr,
+        )  # fmt: skip
+    )({k: jnp.asarray(v) for k, v in values.items()}, jnp.asarray(mask))
+    want, l_acc, l_rej, n_acc, scale = _opd_oracle(
+        values, mask, start=start, gamma_opd=gamma_opd, la=la, lr=lr
+    )
+    # fp32 against float64: each of the two ratios is two sums of Q rounded products and
+    # one division ((Q + 3) u relative of its sum of |terms|), gamma^k by a power (<= B u
+    # relative), the weighted mean 3 u: (Q + B + 6) u times the sum of both ratios.
+    bound = (OPD_A * OPD_B + OPD_B + 6) * U * scale
+    assert abs(float(loss) - want) <= bound
+    assert abs(float(metrics["opd_acc_loss_sum"]) - l_acc) <= bound * (la + lr) / max(la, 1e-9)
+    assert abs(float(metrics["opd_rej_loss_sum"]) - l_rej) <= bound * (la + lr) / max(lr, 1e-9)
+    assert float(metrics["opd_accepted_sum"]) == n_acc
+    assert 0 < n_acc < mask.sum()  # both sides are exercised
+    # Planted: a slot accepted on its own match, not its block's prefix of matches, moves
+    # the loss beyond the bound. (A decay counted from another origin would not: it
+    # scales L_rej's numerator and denominator alike.)
+    alone = _opd_oracle(values, mask, start=start, gamma_opd=gamma_opd, la=la, lr=lr, prefix=False)
+    assert abs(alone[0] - want) > 2 * bound
+
+
+def test_draft_opd_loss_with_confidence_and_its_errors():
+    values, mask = _opd_inputs(4, True)
+    conf = np.random.default_rng(5).standard_normal(len(mask)).astype(np.float32)
+    v = {k: jnp.asarray(x) for k, x in values.items()}
+    base, _ = draft_opd_loss(v, None, jnp.asarray(mask), block_size=OPD_B, sample_from_anchor=True)
+    total, metrics = draft_opd_loss(
+        v, jnp.asarray(conf), jnp.asarray(mask), block_size=OPD_B, sample_from_anchor=True,
+        confidence_head_alpha=0.5,
+    )  # fmt: skip
+    # The confidence term is dspark_loss's: BCE(conf, accept) on the fixed decay.
+    _, ref = dspark_loss(
+        {**v, "ce": v["kl_div"]}, jnp.asarray(conf), jnp.asarray(mask), block_size=OPD_B,
+        loss_weights={"ce": 1.0}, sample_from_anchor=True,
+    )  # fmt: skip
+    conf_loss = float(ref["confidence_loss_sum"])
+    assert float(metrics["confidence_loss_sum"]) == conf_loss
+    np.testing.assert_allclose(float(total), float(base) + 0.5 * conf_loss, rtol=4 * U)
+    for name in ("accept_len_sum", "eal_sum", "full_acc_sum", "confidence_abs_error_sum"):
+        assert float(metrics[name]) == float(ref[name]), name
+    with pytest.raises(ValueError, match="values lacks \\['rkl'\\]"):
+        draft_opd_loss(
+            {k: x for k, x in v.items() if k != "rkl"}, None, jnp.asarray(mask),
+            block_size=OPD_B, sample_from_anchor=True,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="lambda_acc 0.0, lambda_rej 0.0"):
+        draft_opd_loss(
+            v, None, jnp.asarray(mask), block_size=OPD_B, sample_from_anchor=True,
+            lambda_acc=0.0, lambda_rej=0.0,
+        )  # fmt: skip

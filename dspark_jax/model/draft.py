@@ -92,6 +92,11 @@ class LossSettings:
     dpard_alpha: float = 0.5  # --dpard-alpha (D-PARD, docs/math.md §7)
     vocab_chunk_tokens: int = 1024  # slots per vocab-sized chunk of the loss
     anchor_sampling: str = "per-row"  # --anchor-sampling (dspark_jax/anchors.py)
+    training_stage: str = "sft"  # --training-stage; opd: Draft-OPD (dspark_jax/train/opd.py)
+    gamma_opd: float = 0.8  # --gamma-opd
+    lambda_acc: float = 1.0  # --lambda-acc
+    lambda_rej: float = 1.0  # --lambda-rej
+    opd_drafting: str = "greedy"  # --opd-drafting: greedy, or sampled (seeded by the step)
 
     @classmethod
     def from_loss_fn(cls, loss_fn: str, **kw) -> LossSettings:
@@ -264,6 +269,13 @@ def target_hidden(
     (seq_len,) = row["input_ids"].shape
     idx = anchor_ops.target_indices(anchors, cfg.block_size, seq_len, cfg.sample_from_anchor)
     h_last = parallel.sequence_take(row["verifier_last_hidden_states"], idx)
+    return verifier_normed(h_last, frozen, cfg, dtype)
+
+
+def verifier_normed(
+    h_last: jax.Array, frozen: FrozenWeights, cfg: DSparkConfig, dtype
+) -> jax.Array:
+    """verifier_norm(h_last) [..., Ht] in ``dtype``, detached (see :func:`target_hidden`)."""
     if cfg.verifier_norm_style == "gemma":
         normed = gemma_rms_norm(h_last, frozen.verifier_norm, cfg.rms_norm_eps)
     else:
@@ -319,22 +331,28 @@ def batch_loss(
     batch: dict[str, jax.Array],
     key: jax.Array,
     settings: LossSettings,
+    row_fn=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean row loss over a batch of rows ([R, S, ...] arrays); metrics summed.
 
     Each row draws its own anchors from ``key`` (one fold per row), so a resumed
-    run with the same key and step draws the same anchors.
+    run with the same key and step draws the same anchors. ``row_fn(row, anchors, valid,
+    row_key) -> (loss, metrics)``: another row objective (default :func:`row_loss`).
     """
     num_rows = batch["input_ids"].shape[0]
     keys = jax.random.split(key, num_rows)
     b = model.config.block_size
+    if row_fn is None:
+
+        def row_fn(row, anchors, valid, _):
+            return row_loss(model, frozen, row, anchors, valid, settings)
 
     def one(row, k):
         anchors, valid = anchor_ops.sample_anchors(
             k, row["loss_mask"], row["document_ids"], settings.num_anchors, b,
             settings.anchor_sampling,
         )  # fmt: skip
-        return row_loss(model, frozen, row, anchors, valid, settings)
+        return row_fn(row, anchors, valid, k)
 
     # Split over context, the rows' axes are named: the shard_maps inside then take each
     # device's own rows (parallel.context_shard_map).

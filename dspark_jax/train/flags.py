@@ -230,6 +230,18 @@ FLAGS: tuple[Flag, ...] = (
        help="PyTorch kernel choice; dspark_jax always reduces over vocab chunks (same values)."),
     _f("loss_fn", "loss", None,
        help='Loss name or JSON weights, e.g. \'{"ce": 0.1, "tv": 0.9}\' (default: kl_div).'),
+    _f("training_stage", "loss", "sft", choices=("sft", "opd"),
+       help="opd: Draft-OPD (arXiv 2605.29343; docs/math.md, \"Draft-OPD\"): the drafter drafts "
+       "its blocks itself and learns from the verifier's distributions on its drafted prefixes "
+       "(forward KL on accepted, decayed reverse KL on rejected slots) instead of --loss-fn; "
+       "needs --hidden-states-backend jax. Usually after an sft stage (--from-pretrained)."),
+    _f("gamma_opd", "loss", 0.8, float,
+       "Draft-OPD: decay gamma**k of the reverse KL at slot k of a block, in (0, 1]."),
+    _f("lambda_acc", "loss", 1.0, float, "Draft-OPD: weight of the accepted slots' forward KL."),
+    _f("lambda_rej", "loss", 1.0, float, "Draft-OPD: weight of the rejected slots' reverse KL."),
+    _f("opd_drafting", "loss", "greedy", choices=("greedy", "sampled"),
+       help="Draft-OPD: the drafter's tokens are its argmax (the paper's setting) or drawn "
+       "from its distribution (seeded by --seed and the step)."),
     _other("ttt_steps", "loss", "eagle3", 3, int),
     _other("ttt_step_loss_decay", "loss", "eagle3", 1.0, float),
     # --- optimizer
@@ -734,6 +746,28 @@ def validate(args: TrainArgs) -> None:
             raise ConfigError("--per-position-loss-weight=dpard requires --loss-fn=renyi_half")
         if not 0.0 < v["dpard_alpha"] < 1.0:
             raise ConfigError(f"--dpard-alpha must be in (0, 1), got {v['dpard_alpha']}")
+    if v["training_stage"] == "opd":
+        if v["hidden_states_backend"] != "jax":
+            raise ConfigError(
+                "--training-stage opd needs --hidden-states-backend jax: the targets of the "
+                "drafter's own blocks come from the verifier run in the step (got "
+                f"--hidden-states-backend {v['hidden_states_backend']})"
+            )
+        if not 0.0 < v["gamma_opd"] <= 1.0:
+            raise ConfigError(f"--gamma-opd must be in (0, 1], got {v['gamma_opd']}")
+        if min(v["lambda_acc"], v["lambda_rej"]) < 0 or v["lambda_acc"] + v["lambda_rej"] <= 0:
+            raise ConfigError(
+                f"--lambda-acc {v['lambda_acc']} and --lambda-rej {v['lambda_rej']} must be "
+                ">= 0 with a positive sum"
+            )
+    else:
+        given = [
+            BY_DEST[d].flag
+            for d in ("gamma_opd", "lambda_acc", "lambda_rej", "opd_drafting")
+            if args.provided(d)
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply with --training-stage opd")
     # Draft-init contract (resolution._validate_draft_init).
     shaping = [BY_DEST[d].flag for d in DECODER_SHAPING if args.provided(d)]
     if v["from_pretrained"]:

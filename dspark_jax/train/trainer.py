@@ -67,7 +67,9 @@ from dspark_jax.train.metrics_log import (
     normalize_counted_metrics,
     step_metrics,
 )
+from dspark_jax.train.opd import opd_batch_loss
 from dspark_jax.verifier import instep
+from dspark_jax.verifier.forward import drafted_blocks_supported
 
 log = logging.getLogger("dspark_jax.train")
 
@@ -251,6 +253,11 @@ class Trainer:
             dpard_alpha=args.dpard_alpha,
             vocab_chunk_tokens=args.loss_chunk_tokens,
             anchor_sampling=args.anchor_sampling,
+            training_stage=args.training_stage,
+            gamma_opd=args.gamma_opd,
+            lambda_acc=args.lambda_acc,
+            lambda_rej=args.lambda_rej,
+            opd_drafting=args.opd_drafting,
         )
         # --hidden-states-backend jax: checked now (family, shapes, layer ids), loaded later.
         self.instep = (
@@ -264,6 +271,18 @@ class Trainer:
             if args.hidden_states_backend == instep.BACKEND
             else None
         )
+        if args.training_stage == "opd":
+            why = drafted_blocks_supported(self.instep.cfg)
+            if why is not None:
+                raise ConfigError(
+                    f"--training-stage opd: {args.verifier_name_or_path} has {why}, which the "
+                    "verifier's pass over drafted blocks does not handle yet"
+                )
+            if self.mesh.shape["context"] > 1:
+                raise ConfigError(
+                    f"--training-stage opd with --mesh {args.mesh}: rows split over a context "
+                    "axis are not supported by the drafted-block pass yet"
+                )
 
     # ------------------------------------------------------------------ model
     def abstract_state(self):
@@ -353,22 +372,34 @@ class Trainer:
         base_key = jax.random.key(self.args.seed)
 
         verifier = self.instep
+        maps = self.setup.vocab_maps
+        d2t = None if maps is None else np.asarray(maps[0])
 
         def with_hidden_states(frozen, batch):
             """In-step backend: frozen = (FrozenWeights, verifier params); the rows' hidden
             states are computed first (no gradient reaches the verifier)."""
             if verifier is None:
-                return frozen, batch
+                return frozen, None, batch
             frozen, vparams = frozen
-            return frozen, verifier.fill(vparams, batch)
+            return frozen, vparams, verifier.fill(vparams, batch)
+
+        def objective(params, frozen, vparams, batch, key):
+            """The stage's loss and metrics; the model reads the mesh's context split."""
+            model = nnx.merge(graphdef, params)
+            with parallel.tracing_mesh(self.mesh):
+                if settings.training_stage == "opd":
+                    table = None if d2t is None else jnp.asarray(d2t)
+                    return opd_batch_loss(
+                        model, frozen, verifier, vparams, batch, key, settings, table
+                    )
+                return batch_loss(model, frozen, batch, key, settings)
 
         def train_step(state, frozen, batch, step):
             key = jax.random.fold_in(base_key, step)
-            frozen, batch = with_hidden_states(frozen, batch)
+            frozen, vparams, batch = with_hidden_states(frozen, batch)
 
             def loss_fn(params):
-                with parallel.tracing_mesh(self.mesh):  # the model reads the context split
-                    return batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
+                return objective(params, frozen, vparams, batch, key)
 
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
             updates, opt = tx.update(grads, state["opt"], state["params"])
@@ -379,13 +410,11 @@ class Trainer:
             return {"params": params, "opt": opt}, metrics
 
         def eval_step(params, frozen, batch, epoch, index):
-            frozen, batch = with_hidden_states(frozen, batch)
+            frozen, vparams, batch = with_hidden_states(frozen, batch)
             key = jax.random.fold_in(
                 jax.random.fold_in(jax.random.fold_in(base_key, VAL_STREAM), epoch), index
             )
-            with parallel.tracing_mesh(self.mesh):
-                _, metrics = batch_loss(nnx.merge(graphdef, params), frozen, batch, key, settings)
-            return metrics
+            return objective(params, frozen, vparams, batch, key)[1]
 
         replicated = NamedSharding(self.mesh, P())  # metrics: readable on every process
         self.train_step = jax.jit(

@@ -24,9 +24,14 @@ DEVIATIONS = {
 }
 # Left None by the reference's config and resolved by its model class (dspark: True).
 RESOLVED_BY_MODEL = {"sample_from_anchor": True}
-# Ours only: the Kimi-K3 branch's flag, D-PARD's (speculators PR #1078, unmerged) and
-# the JAX flags.
-EXTRA = {"mooncake_writer_threads", "dpard_alpha"} | {f.dest for f in cli.FLAGS if f.group == "jax"}
+# Ours only: the Kimi-K3 branch's flag, D-PARD's (speculators PR #1078, unmerged),
+# Draft-OPD's (speculators docs/draft-opd.md, a branch; opd_drafting ours) and the JAX flags.
+OPD = {"training_stage", "gamma_opd", "lambda_acc", "lambda_rej", "opd_drafting"}
+EXTRA = (
+    {"mooncake_writer_threads", "dpard_alpha"}
+    | OPD
+    | {f.dest for f in cli.FLAGS if f.group == "jax"}
+)
 # Choices we add to a reference flag: D-PARD (docs/math.md §7), the in-step verifier
 # (docs/design.md, "In-step verifier").
 EXTRA_CHOICES = {"per_position_loss_weight": ["dpard"], "hidden_states_backend": ["jax"]}
@@ -91,7 +96,8 @@ def test_normalize_counted_metrics_is_the_references():
 def test_the_trackers_config_record_is_the_references(backend):
     """flags.run_config: the record the reference's log_run_config hands its trackers
     (``TrainConfig.model_dump`` + ``hidden_states_backend_args``), flattened as they are;
-    ours has the JAX flags (``jax/...``), mooncake_writer_threads and dpard_alpha besides."""
+    ours has the JAX flags (``jax/...``), mooncake_writer_threads, dpard_alpha and
+    Draft-OPD's besides."""
     from speculators.train.config.resolution import resolve
     from speculators.train.config.schema import TrainConfig
     from speculators.train.logger import _flatten_dict
@@ -106,7 +112,11 @@ def test_the_trackers_config_record_is_the_references(backend):
         ref["hidden_states_backend_args"] = dict(ref_cfg.backend_args)
     ref = _flatten_dict(ref)
     ours = _flatten_dict(cli.run_config(cli.resolve(argv)))
-    extra = {k for k in ours if k.startswith("jax/")} | {"dflash/dpard_alpha"}
+    extra = (
+        {k for k in ours if k.startswith("jax/")}
+        | {"dflash/dpard_alpha"}
+        | {f"loss/{d}" for d in OPD}
+    )
     if backend == "mooncake":
         extra.add("hidden_states_backend_args/mooncake_writer_threads")
     assert set(ours) - set(ref) == extra
