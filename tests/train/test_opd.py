@@ -1,0 +1,162 @@
+"""``--training-stage opd``: Draft-OPD in the step (dspark_jax/train/opd.py), on the
+in-step verifier's tiny setup (tests/verifier/test_instep.py: a random HF Qwen3 verifier,
+hidden 8, 4 layers).
+
+* The targets of a row's slots are the verifier's states on the *drafted* prefix: for
+  each anchor, the document's tokens before it, then the tokens the slots condition on,
+  run through the verifier's plain forward, agree with the step's targets slot by slot
+  within the round-off bound of two fp32 forwards (tests/verifier/bounds.py), with and
+  without sample_from_anchor (the two alignments of slots and positions).
+* The drafted tokens are the drafter's own greedy tokens: each slot's argmax under the
+  Markov head fed the drafted tokens is the token the next slot conditions on.
+* A run trains, logs the Draft-OPD metrics, and a resumed run repeats it exactly.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import anchors as anchor_ops
+from dspark_jax.model.draft import DSparkDraftModel
+from dspark_jax.train import flags as cli
+from dspark_jax.train import trainer as train
+from dspark_jax.train.opd import opd_row_values
+from dspark_jax.verifier import hidden_states
+from tests.numerics import U
+from tests.train.conftest import read_jsonl
+from tests.verifier.bounds import chain_depth, projection_sensitivity
+from tests.verifier.test_instep import argv as instep_argv
+from tests.verifier.test_instep import setup  # noqa: F401 (the module's fixture)
+
+N = 4  # the verifier's layers
+
+
+def opd_argv(setup, out, **over):  # noqa: F811
+    return instep_argv(setup, out, **{"training_stage": "opd", **over})
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["sfa", "no_sfa"])
+def test_targets_are_the_verifier_on_the_drafted_prefix(setup, tmp_path, sample_from_anchor):  # noqa: F811
+    over = {"sample_from_anchor" if sample_from_anchor else "no_sample_from_anchor": True}
+    t = train.Trainer(cli.resolve(opd_argv(setup, tmp_path, **over)), devices=jax.devices()[:1])
+    cfg = t.cfg
+    assert cfg.sample_from_anchor is sample_from_anchor
+    b, start = cfg.block_size, 0 if sample_from_anchor else 1
+    batch = t.open_data().step_loader("train", 0)(0)
+    vparams = t.instep.load(t.mesh)
+    frozen = t.load_frozen()
+    row = {
+        k: v[0]
+        for k, v in jax.jit(t.instep.fill)(vparams, jax.tree.map(jnp.asarray, batch)).items()
+    }
+    anchors, valid = anchor_ops.sample_anchors(
+        jax.random.key(3), row["loss_mask"], row["document_ids"], 6, b, "per-row"
+    )
+    model = DSparkDraftModel(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32, remat=False)
+    # A Markov bias as large as the head's logits (at init it is ~1/100 of them), so that
+    # conditioning on other tokens changes the argmaxes.
+    w1 = model.markov_head.markov_w1.embedding
+    w1[...] = jax.random.normal(jax.random.key(2), w1.shape) * 30.0
+    maps = t.setup.vocab_maps
+    d2t = None if maps is None else jnp.asarray(maps[0])
+    r = jax.jit(
+        lambda row, a, v: opd_row_values(
+            model, frozen, t.instep, vparams, row, a, v, t.settings, jax.random.key(0), d2t
+        )
+    )(row, anchors, valid)
+    prev, target = np.asarray(r.prev), np.asarray(r.target_hidden).reshape(len(anchors), b, -1)
+    ids, doc = np.asarray(row["input_ids"]), np.asarray(row["document_ids"])
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+
+    # The drafter's own greedy tokens: slot k's argmax is what slot k + 1 conditions on.
+    pred = np.asarray(r.values["pred_ids"]).reshape(len(anchors), b)
+    if maps is not None:
+        pred = pred + maps[0][pred]
+    assert (prev[:, :start + 1] == np.asarray(
+        anchor_ops.previous_tokens(row["input_ids"], jnp.asarray(anchors), b, sample_from_anchor)
+    )[:, :start + 1]).all()  # fmt: skip
+    assert (pred[:, start : b - 1] == prev[:, start + 1 :]).all()
+
+    run = jax.jit(lambda p, s, q, d: hidden_states(p, t.instep.cfg, s, q, d, (N,))[:, 0])
+    length = 64
+    checked = 0
+    for a in np.flatnonzero(valid)[:3]:
+        p = int(anchors[a])
+        first = int(np.argmax(doc == doc[p]))
+        seq = np.concatenate([ids[first:p], prev[a, start:]]).astype(np.int32)
+        n = len(seq)
+        pad = length - n
+        seq_p = np.pad(seq, (0, pad))
+        pos = np.arange(length, dtype=np.int32)
+        d = np.where(pos < n, 0, -1).astype(np.int32)
+        want = np.asarray(run(vparams, seq_p, pos, d))[n - (b - start) : n]
+        got = target[a, start:]
+        c = np.zeros((length, 1, want.shape[-1]), np.float32)
+        c[n - (b - start) : n, 0] = np.random.default_rng(int(a)).standard_normal(want.shape)
+        sens = projection_sensitivity(vparams, t.instep.cfg, seq_p, pos, d, (N,), c)
+        bound = 2 * chain_depth(t.instep.cfg, N, length) * U * sens[n - (b - start) : n, 0]
+        proj = np.einsum("jh,jh->j", c[n - (b - start) : n, 0], got - want)
+        assert (np.abs(proj) <= bound).all(), (a, proj, bound)
+        # Planted: the targets of the dataset's own continuation are not these.
+        teacher = np.concatenate([ids[first : p + b - start]]).astype(np.int32)
+        if (teacher[-(b - start) :] != seq[-(b - start) :]).any():
+            other = np.asarray(run(vparams, np.pad(teacher, (0, length - len(teacher))), pos, d))
+            tail = other[n - (b - start) : n]
+            assert not (
+                np.abs(np.einsum("jh,jh->j", c[n - (b - start) : n, 0], tail - want)) <= bound
+            ).all()
+        checked += 1
+    assert checked == 3
+
+
+def test_opd_trains_and_resumes_exactly(setup, tmp_path):  # noqa: F811
+    flags = dict(epochs=1, checkpoint_freq=0.5)
+    full = tmp_path / "full"
+    assert train.run(cli.resolve(opd_argv(setup, full, **flags)), devices=jax.devices()[:1]) == 0
+    records = read_jsonl(full / "logs" / "run" / "metrics.jsonl")
+    trained = [r["train"] for r in records if "train" in r]
+    losses = [r["loss"] for r in trained]
+    assert losses and all(np.isfinite(losses))
+    for name in ("opd_acc_loss", "opd_rej_loss", "opd_accepted", "accept_len", "confidence_loss"):
+        assert all(np.isfinite(r[name]) for r in trained), name
+    vals = [r["val"] for r in records if "val" in r]
+    assert vals and np.isfinite(vals[-1]["opd_rej_loss_epoch"])
+    steps = sorted(int(p.name) for p in (full / "ckpt").iterdir() if p.name.isdigit())
+    assert len(steps) >= 2
+    shutil.copytree(full / "ckpt", tmp_path / "resumed" / "ckpt")
+    shutil.rmtree(tmp_path / "resumed" / "ckpt" / str(steps[-1]))
+    resumed = cli.resolve(opd_argv(setup, tmp_path / "resumed", **flags))
+    assert train.run(resumed, devices=jax.devices()[:1]) == 0
+    again = [
+        r["train"]["loss"]
+        for r in read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
+        if "train" in r
+    ]
+    assert again == losses[len(losses) - len(again) :] and len(again) < len(losses)
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (dict(hidden_states_backend="file", verifier_dtype=None),
+         "--training-stage opd needs --hidden-states-backend jax"),
+        (dict(gamma_opd=0.0), "--gamma-opd must be in \\(0, 1\\], got 0.0"),
+        (dict(lambda_acc=0.0, lambda_rej=0.0), "--lambda-acc 0.0 and --lambda-rej 0.0 must be"),
+        (dict(training_stage="sft", lambda_rej=2.0), "--lambda-rej only apply with --training-stage opd"),
+    ],
+)  # fmt: skip
+def test_flag_errors(setup, tmp_path, over, message):  # noqa: F811
+    with pytest.raises(cli.ConfigError, match=message):
+        cli.resolve(opd_argv(setup, tmp_path, **over))
+
+
+def test_a_context_axis_is_refused(setup, tmp_path):  # noqa: F811
+    args = cli.resolve(opd_argv(setup, tmp_path, mesh="context=2", rows_per_step=1))
+    with pytest.raises(cli.ConfigError, match="--training-stage opd with --mesh context=2"):
+        train.Trainer(args, devices=jax.devices()[:2])
