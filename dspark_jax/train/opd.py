@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from dspark_jax import anchors as anchor_ops
 from dspark_jax import losses
+from dspark_jax.config import DSparkConfig
 from dspark_jax.model.draft import (
     DSparkDraftModel,
     FrozenWeights,
@@ -189,20 +190,9 @@ def opd_row_values(
 
 
 def opd_row_loss(
-    model: DSparkDraftModel,
-    frozen: FrozenWeights,
-    verifier: InStepVerifier,
-    vparams: dict[str, jax.Array],
-    row: dict[str, jax.Array],
-    anchors: jax.Array,
-    valid: jax.Array,
-    settings: LossSettings,
-    key: jax.Array,
-    d2t: jax.Array | None,
+    r: OpdRow, cfg: DSparkConfig, settings: LossSettings
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Draft-OPD loss and metrics of one row (see the module docstring)."""
-    r = opd_row_values(model, frozen, verifier, vparams, row, anchors, valid, settings, key, d2t)
-    cfg = model.config
+    """Draft-OPD loss and metrics of one row from its :func:`opd_row_values`."""
     return losses.draft_opd_loss(
         r.values,
         r.confidence_logits,
@@ -231,9 +221,10 @@ def opd_batch_loss(
     anchors per row (same key folds), the mean row loss, metrics summed."""
 
     def row_fn(row, anchors, valid, row_key):
-        return opd_row_loss(
+        r = opd_row_values(
             model, frozen, verifier, vparams, row, anchors, valid, settings,
             jax.random.fold_in(row_key, 1), d2t,
         )  # fmt: skip
+        return opd_row_loss(r, model.config, settings)
 
     return batch_loss(model, frozen, batch, key, settings, row_fn=row_fn)
