@@ -129,19 +129,19 @@ def _bytes_per_device(x: jax.ShapeDtypeStruct) -> int:
     return int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
-def collectives(hlo_text: str) -> dict[str, int]:
-    """Collective ops in optimised HLO text, by kind (async start/done counted once)."""
-    found: Counter = Counter()
+def _collective_lines(hlo_text: str):
+    """(line, opcode match) of each collective op in optimised HLO text; an async op once
+    (its ``-start``, not its ``-done``)."""
     for line in hlo_text.splitlines():
         m = _OPCODE.search(line)
-        if not m:
-            continue
-        op = m.group(1)
-        if op.endswith("-done"):
-            continue
-        op = op.removesuffix("-start")
-        if op in COLLECTIVES:
-            found[op] += 1
+        if m and not m.group(1).endswith("-done"):
+            if m.group(1).removesuffix("-start") in COLLECTIVES:
+                yield line, m
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+    """Collective ops in optimised HLO text, by kind (async start/done counted once)."""
+    found = Counter(m.group(1).removesuffix("-start") for _, m in _collective_lines(hlo_text))
     return dict(sorted(found.items()))
 
 
@@ -165,14 +165,9 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     op inside a loop body is counted once (a static count, like :func:`collectives`).
     """
     found: Counter = Counter()
-    for line in hlo_text.splitlines():
-        m = _OPCODE.search(line)
-        if not m:
-            continue
+    for line, m in _collective_lines(hlo_text):
         op = m.group(1)
         base = op.removesuffix("-start")
-        if op.endswith("-done") or base not in COLLECTIVES:
-            continue
         result = _array_bytes(line[line.index("=") + 1 : m.start(1)])
         rest = line[m.end(1) :]
         args = rest[: rest.find(")")] if ")" in rest else rest
