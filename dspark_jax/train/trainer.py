@@ -448,6 +448,7 @@ class Trainer:
             "seed": self.args.seed,
             "rows_per_step": self.rows_per_step,
             "total_seq_len": self.args.total_seq_len,  # the card's, when run.yaml omits it
+            "training_stage": self.settings.training_stage,
         }
         if metrics is not None:
             meta["metrics"] = metrics
@@ -497,6 +498,17 @@ class Trainer:
         self.global_step = int(meta["global_step"])
         self.best_val_loss = meta.get("best_val_loss") or float("inf")
         self.ckpt.best_step = meta.get("best_step")
+        stage = meta.get("training_stage", "sft")
+        if stage != self.settings.training_stage:
+            # Another objective from here on: its validation losses do not compare with the
+            # checkpoint's, so the best one restarts (the old best stays until replaced).
+            log.info(
+                "resuming a --training-stage %s checkpoint with --training-stage %s: the best "
+                "validation loss restarts",
+                stage,
+                self.settings.training_stage,
+            )
+            self.best_val_loss = float("inf")
         self.saved_steps.add(step)
         self.metrics.resume_at(self.global_step)
         log.info(

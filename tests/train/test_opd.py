@@ -9,11 +9,14 @@ hidden 8, 4 layers).
   without sample_from_anchor (the two alignments of slots and positions).
 * The drafted tokens are the drafter's own greedy tokens: each slot's argmax under the
   Markov head fed the drafted tokens is the token the next slot conditions on.
-* A run trains, logs the Draft-OPD metrics, and a resumed run repeats it exactly.
+* An SFT run continued with --training-stage opd trains, logs the Draft-OPD metrics and
+  restarts its best validation loss; resuming it repeats it exactly.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 
 import jax
@@ -115,30 +118,44 @@ def test_targets_are_the_verifier_on_the_drafted_prefix(setup, tmp_path, sample_
     assert checked == 3
 
 
-def test_opd_trains_and_resumes_exactly(setup, tmp_path):  # noqa: F811
-    flags = dict(epochs=1, checkpoint_freq=0.5)
+def test_sft_then_opd_trains_and_resumes_exactly(setup, tmp_path, caplog):  # noqa: F811
+    """The recipe: an SFT epoch, then the same run resumed with --training-stage opd for
+    epoch 2 (checkpoints every half epoch); resuming that from its middle checkpoint
+    repeats it exactly. The best validation loss restarts with the new objective."""
     full = tmp_path / "full"
-    assert train.run(cli.resolve(opd_argv(setup, full, **flags)), devices=jax.devices()[:1]) == 0
+    sft = instep_argv(setup, full, epochs=1)
+    assert train.run(cli.resolve(sft), devices=jax.devices()[:1]) == 0
+    first = sorted(int(p.name) for p in (full / "ckpt").iterdir() if p.name.isdigit())
+    flags = dict(epochs=2, checkpoint_freq=0.5)
+    with caplog.at_level(logging.INFO, logger="dspark_jax"):
+        assert (
+            train.run(cli.resolve(opd_argv(setup, full, **flags)), devices=jax.devices()[:1]) == 0
+        )
+    assert "checkpoint with --training-stage opd: the best validation loss restarts" in caplog.text
     records = read_jsonl(full / "logs" / "run" / "metrics.jsonl")
     trained = [r["train"] for r in records if "train" in r]
-    losses = [r["loss"] for r in trained]
-    assert losses and all(np.isfinite(losses))
-    for name in ("opd_acc_loss", "opd_rej_loss", "opd_accepted", "accept_len", "confidence_loss"):
-        assert all(np.isfinite(r[name]) for r in trained), name
+    opd = [r for r in trained if "opd_acc_loss" in r]
+    assert opd and len(opd) < len(trained)  # the SFT steps logged no Draft-OPD metric
+    for name in ("loss", "opd_acc_loss", "opd_rej_loss", "opd_accepted", "accept_len"):
+        assert all(np.isfinite(r[name]) for r in opd), name
     vals = [r["val"] for r in records if "val" in r]
-    assert vals and np.isfinite(vals[-1]["opd_rej_loss_epoch"])
+    assert "opd_rej_loss_epoch" not in vals[0] and np.isfinite(vals[-1]["opd_rej_loss_epoch"])
     steps = sorted(int(p.name) for p in (full / "ckpt").iterdir() if p.name.isdigit())
-    assert len(steps) >= 2
+    meta = json.loads((full / "ckpt" / str(steps[-1]) / "meta" / "metadata").read_text())
+    assert meta["training_stage"] == "opd" and steps[-1] > first[-1]
+    assert meta["best_val_loss"] == pytest.approx(vals[-1]["loss_epoch"], rel=1e-6)
+
     shutil.copytree(full / "ckpt", tmp_path / "resumed" / "ckpt")
     shutil.rmtree(tmp_path / "resumed" / "ckpt" / str(steps[-1]))
     resumed = cli.resolve(opd_argv(setup, tmp_path / "resumed", **flags))
     assert train.run(resumed, devices=jax.devices()[:1]) == 0
+    losses = [r["loss"] for r in opd]
     again = [
         r["train"]["loss"]
         for r in read_jsonl(tmp_path / "resumed" / "logs" / "run" / "metrics.jsonl")
         if "train" in r
     ]
-    assert again == losses[len(losses) - len(again) :] and len(again) < len(losses)
+    assert again == losses[len(losses) - len(again) :] and 0 < len(again) < len(losses)
 
 
 @pytest.mark.parametrize(
