@@ -1,6 +1,6 @@
 """The table of bench/README.md, "On-policy data and per-document anchors": acceptance
 lengths of the demo drafters (baseline, on-policy, per-document anchors, both, D-PARD,
-and the reference trainer's baseline) on the two held-out sets, mean and spread over
+Draft-OPD, and the reference trainer's baseline) on the two held-out sets, mean and spread over
 seeds.
 
 Reads ``<runs>/<variant>_s<seed>/eval*/summary.json`` (``python -m dspark_jax.eval``
@@ -25,6 +25,7 @@ VARIANTS = (
     ("perdoc", "ours, original data, per-document anchors"),
     ("both", "ours, on-policy data, per-document anchors"),
     ("dpard", "ours, original data, D-PARD (renyi_half, dpard, alpha 0.5)"),
+    ("opd", "ours, original data, Draft-OPD after a ce/tv epoch"),
 )
 DATASETS = (
     ("heldout_onpolicy", "held-out prompts, verifier's answers"),
