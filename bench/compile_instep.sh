@@ -6,6 +6,7 @@
 # extra (the h200 row: the cuda-compile extra).
 #
 #   bash bench/compile_instep.sh [row-prefix]     # e.g. v5p, v6e, h200, llama70b
+#   STAGE=opd bash bench/compile_instep.sh v5p    # the Draft-OPD step (rows named <row>-opd)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -22,11 +23,13 @@ ROWS=(
 for row in "${ROWS[@]}"; do
   read -r name target mesh rows verifier ids mask <<<"$row"
   [[ $name == "${1:-}"* ]] || continue
+  stage=()
+  if [ -n "${STAGE:-}" ]; then stage=(--training-stage "$STAGE"); name=$name-$STAGE; fi
   cmd=("$PYTHON" -m dspark_jax.train --verifier-name-or-path "$verifier"
        --target-layer-ids ${ids//,/ } --mask-token-id "$mask" --total-seq-len 8192 --num-layers 1
        --max-anchors 512 --hidden-states-backend jax --data-path "$OUT/no-data"
        --save-path "$OUT/ckpt-$name" --dry-run --compile-for "$target" --mesh "$mesh"
-       --rows-per-step "$rows")
+       --rows-per-step "$rows" "${stage[@]}")
   {
     echo "# $(date -u +%FT%TZ) ${cmd[*]}"
     /usr/bin/time -v "${cmd[@]}"

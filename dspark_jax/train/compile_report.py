@@ -366,6 +366,10 @@ def instep_line(trainer, steps: CompiledSteps) -> str:
     )
     rows, seq = trainer.rows_per_step, args.total_seq_len
     fwd = v.forward_flops(rows, seq)
+    opd = ""
+    if args.training_stage == "opd":  # the verifier again, on the drafted blocks
+        fwd += v.drafted_flops(rows, seq, args.max_anchors, cfg.block_size)
+        opd = " and on the drafted blocks (Draft-OPD)"
     q = args.max_anchors * cfg.block_size
     drafter = throughput.train_step_flops(
         cfg, rows=rows, num_anchors=args.max_anchors, seq_len=seq,
@@ -375,7 +379,7 @@ def instep_line(trainer, steps: CompiledSteps) -> str:
     per_token = slots * v.cfg.hidden_size * np.dtype(v.out_dtype).itemsize
     return (
         f"in-step verifier ({v.cfg.model_type}, {v.cfg.num_hidden_layers} layers, "
-        f"{np.dtype(v.param_dtype).name} weights {_gib(weights)} per chip): forward <= "
+        f"{np.dtype(v.param_dtype).name} weights {_gib(weights)} per chip): forward{opd} <= "
         f"{fwd / 1e12:.3g} TFLOP per step vs the drafter step's <= {drafter / 1e12:.3g} TFLOP "
         f"({fwd / (fwd + drafter):.0%} of the step); no hidden-state files: "
         f"{per_token * seq / 2**20:.3g} MiB per {seq}-token sample not stored"

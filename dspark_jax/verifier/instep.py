@@ -60,21 +60,35 @@ class InStepVerifier:
     def forward_flops(self, rows: int, seq_len: int) -> float:
         """Matmul FLOPs of the forward over ``rows`` rows of ``seq_len`` tokens, an upper
         bound: every row one causal document (packing only removes attention pairs)."""
+        pairs = [
+            sum(min(t + 1, w or t + 1) for t in range(seq_len)) for w in self.cfg.layer_windows
+        ]
+        return rows * self._flops(seq_len, pairs)
+
+    def drafted_flops(self, rows: int, seq_len: int, num_anchors: int, block: int) -> float:
+        """Matmul FLOPs of ``forward.drafted_hidden`` (Draft-OPD): the rows again and
+        ``num_anchors`` blocks of ``block`` tokens per row, each seeing at most the whole
+        row and its block (an upper bound)."""
+        q = num_anchors * block
+        pairs = [q * (seq_len + block)] * self.cfg.num_hidden_layers
+        return self.forward_flops(rows, seq_len) + rows * self._flops(q, pairs)
+
+    def _flops(self, tokens: int, pairs: list[int]) -> float:
+        """Matmul FLOPs of ``tokens`` tokens through every layer, ``pairs[i]`` the
+        query-key pairs of layer i."""
         c = self.cfg
         h, d = c.hidden_size, c.head_dim
         nq, nkv = c.num_attention_heads * d, c.num_key_value_heads * d
         total = 0.0
         for i in range(c.num_hidden_layers):
-            w = c.layer_windows[i]
-            pairs = sum(min(t + 1, w or t + 1) for t in range(seq_len))
-            total += 2 * seq_len * (h * (nq + 2 * nkv) + nq * h)  # q, k, v, o
-            total += 4 * pairs * nq  # scores and P V
+            total += 2 * tokens * (h * (nq + 2 * nkv) + nq * h)  # q, k, v, o
+            total += 4 * pairs[i] * nq  # scores and P V
             if c.is_moe(i):
                 e, k, mi = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-                total += 2 * seq_len * (h * e + k * 3 * h * mi)
+                total += 2 * tokens * (h * e + k * 3 * h * mi)
             else:
-                total += 2 * seq_len * 3 * h * c.intermediate_size
-        return rows * total
+                total += 2 * tokens * 3 * h * c.intermediate_size
+        return total
 
     def fill(self, params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> dict:
         """The batch with ``hidden_states`` [B, S, n_aux * H] (aux slots layer-major, in the

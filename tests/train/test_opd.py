@@ -177,3 +177,24 @@ def test_a_context_axis_is_refused(setup, tmp_path):  # noqa: F811
     args = cli.resolve(opd_argv(setup, tmp_path, mesh="context=2", rows_per_step=1))
     with pytest.raises(cli.ConfigError, match="--training-stage opd with --mesh context=2"):
         train.Trainer(args, devices=jax.devices()[:2])
+
+
+def test_compile_for_a_sharded_mesh(setup, tmp_path, capsys):  # noqa: F811
+    """--dry-run --compile-for local --mesh fsdp=2,tensor=2 --training-stage opd, from the
+    verifier's config.json alone: the Draft-OPD step partitions and its report counts the
+    verifier's second pass (the row again and its drafted blocks)."""
+    cfg_only = tmp_path / "config_only"
+    cfg_only.mkdir()
+    shutil.copy(setup[0] / "verifier" / "config.json", cfg_only / "config.json")
+    from tests.train.test_compile_for import tiny_compile_argv
+
+    argv = tiny_compile_argv(
+        cfg_only, tmp_path, "--compile-for", "local", "--mesh", "fsdp=2,tensor=2",
+        "--hidden-states-backend", "jax", "--rows-per-step", "2", "--training-stage", "opd",
+    )  # fmt: skip
+    args = cli.resolve(argv)
+    assert train.run(args, devices=jax.devices()[:4]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "in-step verifier (qwen3, 4 layers" in ln)
+    assert "forward and on the drafted blocks (Draft-OPD) <= " in line
+    assert out.splitlines()[-1].startswith("[compile] fits: local")
