@@ -33,11 +33,12 @@ from dspark_jax.train.opd import opd_row_values
 from dspark_jax.verifier import hidden_states
 from tests.numerics import U
 from tests.train.conftest import read_jsonl
-from tests.verifier.bounds import chain_depth, projection_sensitivity
+from tests.verifier.bounds import chain_depth, pack_documents, projection_sensitivity
 from tests.verifier.test_instep import argv as instep_argv
 from tests.verifier.test_instep import setup  # noqa: F401 (the module's fixture)
 
 N = 4  # the verifier's layers
+LENGTH = 128  # the packed row of the checked anchors' prefixes (3 x at most 30 + 4)
 
 
 def opd_argv(setup, out, **over):  # noqa: F811
@@ -86,36 +87,38 @@ def test_targets_are_the_verifier_on_the_drafted_prefix(setup, tmp_path, sample_
     )[:, :start + 1]).all()  # fmt: skip
     assert (pred[:, start : b - 1] == prev[:, start + 1 :]).all()
 
-    run = jax.jit(lambda p, s, q, d: hidden_states(p, t.instep.cfg, s, q, d, (N,))[:, 0])
-    length = 64
-    checked = 0
-    for a in np.flatnonzero(valid)[:3]:
+    # One packed row holds each checked anchor's prefix as its own document: one forward,
+    # one sensitivity computation for all of them.
+    chosen = np.flatnonzero(valid)[:3]
+    assert len(chosen) == 3
+    m = b - start  # the block's slots with a target
+    drafted, teacher = [], []
+    for a in chosen:
         p = int(anchors[a])
         first = int(np.argmax(doc == doc[p]))
-        seq = np.concatenate([ids[first:p], prev[a, start:]]).astype(np.int32)
-        n = len(seq)
-        pad = length - n
-        seq_p = np.pad(seq, (0, pad))
-        pos = np.arange(length, dtype=np.int32)
-        d = np.where(pos < n, 0, -1).astype(np.int32)
-        want = np.asarray(run(vparams, seq_p, pos, d))[n - (b - start) : n]
-        got = target[a, start:]
-        c = np.zeros((length, 1, want.shape[-1]), np.float32)
-        c[n - (b - start) : n, 0] = np.random.default_rng(int(a)).standard_normal(want.shape)
-        sens = projection_sensitivity(vparams, t.instep.cfg, seq_p, pos, d, (N,), c)
-        bound = 2 * chain_depth(t.instep.cfg, N, length) * U * sens[n - (b - start) : n, 0]
-        proj = np.einsum("jh,jh->j", c[n - (b - start) : n, 0], got - want)
-        assert (np.abs(proj) <= bound).all(), (a, proj, bound)
-        # Planted: the targets of the dataset's own continuation are not these.
-        teacher = np.concatenate([ids[first : p + b - start]]).astype(np.int32)
-        if (teacher[-(b - start) :] != seq[-(b - start) :]).any():
-            other = np.asarray(run(vparams, np.pad(teacher, (0, length - len(teacher))), pos, d))
-            tail = other[n - (b - start) : n]
-            assert not (
-                np.abs(np.einsum("jh,jh->j", c[n - (b - start) : n, 0], tail - want)) <= bound
-            ).all()
-        checked += 1
-    assert checked == 3
+        drafted.append(np.concatenate([ids[first:p], prev[a, start:]]))
+        teacher.append(ids[first : p + m])  # the dataset's own continuation
+    seq, pos, docs, ends = pack_documents(drafted, LENGTH)
+    run = jax.jit(lambda p, s, q, d: hidden_states(p, t.instep.cfg, s, q, d, (N,))[:, 0])
+    want = np.asarray(run(vparams, seq, pos, docs))
+    rows = np.concatenate([np.arange(e - m, e) for e in ends])
+    got = target[chosen, start:].reshape(len(rows), -1)
+    c = np.zeros((LENGTH, 1, got.shape[-1]), np.float32)
+    c[rows, 0] = np.random.default_rng(0).standard_normal(got.shape)
+    sens = projection_sensitivity(vparams, t.instep.cfg, seq, pos, docs, (N,), c)[rows, 0]
+    bound = 2 * chain_depth(t.instep.cfg, N, LENGTH) * U * sens
+
+    def within(x):
+        return np.abs(np.einsum("jh,jh->j", c[rows, 0], x - got)) <= bound
+
+    assert within(want[rows]).all()
+    # Planted: the targets of the dataset's own continuations are not these.
+    differs = np.concatenate(
+        [np.any(d[-m:] != e[-m:]) * np.ones(m, bool) for d, e in zip(drafted, teacher, strict=True)]
+    )
+    assert differs.any()
+    other = np.asarray(run(vparams, *pack_documents(teacher, LENGTH)[:3]))
+    assert not within(other[rows])[differs].all()
 
 
 def test_sft_then_opd_trains_and_resumes_exactly(setup, tmp_path, caplog):  # noqa: F811

@@ -49,3 +49,17 @@ def projection_sensitivity(params, cfg, ids, pos, doc, layer_ids, c) -> np.ndarr
         jnp.asarray(tj[:, 0]), jnp.asarray(tj[:, 1])
     )
     return np.asarray(out, np.float64).reshape(S, n)
+
+
+def pack_documents(prefixes, length):
+    """Sequences as the documents of one row padded to ``length``: ids, positions
+    (restarting per document), document ids (-1 on padding) and each document's end."""
+    ends = np.cumsum([len(x) for x in prefixes])
+    seq = np.zeros(length, np.int32)
+    seq[: ends[-1]] = np.concatenate(prefixes)
+    pos = np.zeros(length, np.int32)
+    docs = np.full(length, -1, np.int32)
+    for i, (x, e) in enumerate(zip(prefixes, ends, strict=True)):
+        pos[e - len(x) : e] = np.arange(len(x))
+        docs[e - len(x) : e] = i
+    return seq, pos, docs, ends
