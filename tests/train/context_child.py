@@ -1,4 +1,5 @@
-"""One of two trainer processes whose rows' tokens are split over both (tests/train).
+"""One of two trainer processes whose rows' tokens are split over both (tests/train/
+test_multiprocess.py starts them with tests.multiprocess.launch).
 
     python -m tests.train.context_child <trainer flags with --mesh context=4 ...>
 
