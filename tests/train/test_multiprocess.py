@@ -3,7 +3,7 @@ with the same 8 rows per step (4 CPU devices each), and with each row's tokens s
 both (``--mesh context=4``, 2 devices each: each process reads and holds the hidden states
 of half of every row). Both compare against one one-process run of the same flags (the
 module's fixture), which runs beside the first two-process run (a one-process run keeps
-one of 2 cores busy). Slow: ~1.5 min in all on 2 cores."""
+one of 2 cores busy). Slow: ~2.5 min in all on 2 busy cores."""
 
 from __future__ import annotations
 
