@@ -1,4 +1,5 @@
-"""One of two trainer processes whose rows' tokens are split over both (tests/train).
+"""One of two trainer processes whose rows' tokens are split over both (tests/train/
+test_multiprocess.py starts them with tests.multiprocess.launch).
 
     python -m tests.train.context_child <trainer flags with --mesh context=4 ...>
 
@@ -46,10 +47,11 @@ def main() -> int:
     real = parallel.global_batch
 
     def checked(local, mesh, rows=None):
-        half = seq // 2
-        assert local["input_ids"].shape == (1, seq), local["input_ids"].shape
+        # every row of the step (context=4 is the whole mesh), half of each row's tokens
+        n, half = args.rows_per_step, seq // 2
+        assert local["input_ids"].shape == (n, seq), local["input_ids"].shape
         for key in ("hidden_states", "verifier_last_hidden_states"):
-            assert local[key].shape[:2] == (1, half), (key, local[key].shape)
+            assert local[key].shape[:2] == (n, half), (key, local[key].shape)
         _, tokens = parallel.process_rows(mesh, rows, seq)
         held.add(tokens)
         return real(local, mesh, rows)

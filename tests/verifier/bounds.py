@@ -8,6 +8,8 @@ most 2 * depth_j * U * sum_p |dL/dp| |p| (first order).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,13 +32,19 @@ def chain_depth(cfg, layer_id: int, seq: int) -> int:
 def projection_sensitivity(params, cfg, ids, pos, doc, layer_ids, c) -> np.ndarray:
     """sum_p |dL_tj/dp| |p| for every slot (t, j) of the row, [S, len(layer_ids)] float64;
     L_tj = <c[t, j], h[t, j]>. Gradients of our forward with the dense oracle attention
-    (differentiable), one compile."""
+    (differentiable), one compile per config, layer ids and shapes (rows are arguments:
+    the rows of a batch share it)."""
     ids, pos, doc = map(jnp.asarray, (ids, pos, doc))
-    c = jnp.asarray(c, jnp.float32)
+    out = _sensitivity(params, cfg, ids, pos, doc, tuple(layer_ids), jnp.asarray(c, jnp.float32))
+    return np.asarray(out, np.float64)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 5))
+def _sensitivity(params, cfg, ids, pos, doc, layer_ids, c):
     S, n = ids.shape[0], len(layer_ids)
 
     def proj(p, t, j):
-        h = hidden_states(p, cfg, ids, pos, doc, tuple(layer_ids), dense_attention=True)
+        h = hidden_states(p, cfg, ids, pos, doc, layer_ids, dense_attention=True)
         return jnp.vdot(c[t, j], h[t, j])
 
     def sens(t, j):
@@ -45,10 +53,8 @@ def projection_sensitivity(params, cfg, ids, pos, doc, layer_ids, c) -> np.ndarr
 
     tj = np.stack(np.meshgrid(np.arange(S), np.arange(n), indexing="ij"), -1).reshape(-1, 2)
     # lax.map, not vmap: lax.ragged_dot (Qwen3-MoE experts) cannot batch its weights
-    out = jax.jit(lambda t, j: jax.lax.map(lambda a: sens(*a), (t, j)))(
-        jnp.asarray(tj[:, 0]), jnp.asarray(tj[:, 1])
-    )
-    return np.asarray(out, np.float64).reshape(S, n)
+    out = jax.lax.map(lambda a: sens(*a), (jnp.asarray(tj[:, 0]), jnp.asarray(tj[:, 1])))
+    return out.reshape(S, n)
 
 
 def pack_documents(prefixes, length):

@@ -1,11 +1,16 @@
 """One of two processes loading a verifier over a 2x2 (fsdp, tensor) mesh of 4 CPU devices
-(2 per process). Prints ``ok <reads>`` when every addressable shard equals the file's slice
+(2 per process; tests.multiprocess.launch):
+
+    python -m tests.verifier.load_child FOLDER --coordinator-address HOST:PORT
+        --num-processes 2 --process-id I
+
+Prints ``ok <reads>`` when every addressable shard equals the file's slice
 (stacked layers: each layer's tensor's slice) and the process read exactly its own shards'
 slices (nothing else)."""
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import jax
 import numpy as np
@@ -14,8 +19,8 @@ from dspark_jax import parallel
 from dspark_jax.verifier import load_verifier_config, weights
 
 
-def main(folder: str, port: str, pid: str) -> None:
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
+def main(folder: str, coordinator_address: str, num_processes: int, process_id: int) -> None:
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
     cfg = load_verifier_config(folder)
     mesh = parallel.make_mesh("fsdp=2,tensor=2")
     reads: dict[str, list] = {}
@@ -68,4 +73,9 @@ def main(folder: str, port: str, pid: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder")
+    parser.add_argument("--coordinator-address", required=True)
+    parser.add_argument("--num-processes", type=int, required=True)
+    parser.add_argument("--process-id", type=int, required=True)
+    main(**vars(parser.parse_args()))

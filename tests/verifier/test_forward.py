@@ -127,8 +127,15 @@ def test_bf16_within_bf16_rounding(case, name):
     plus embedding and output, on top of the fp32 bound."""
     c = case(name)
     p16 = {k: v.astype(jnp.bfloat16) for k, v in c.params.items()}
-    got = c.run(params=p16)
-    assert c.run(params=p16, out_dtype=jnp.bfloat16).dtype == np.float32  # run() upcasts
+    got = c.run(params=p16)  # upcast to fp32 by run()
+
+    def out_dtype(**kw):  # traced only: no second compile of the same forward
+        def f(p):
+            return hidden_states(p, c.cfg, c.ids, c.pos, c.doc, LAYER_IDS, **BLOCKS, **kw)
+
+        return jax.eval_shape(f, p16).dtype
+
+    assert out_dtype() == jnp.bfloat16 and out_dtype(out_dtype=jnp.float32) == jnp.float32
     k16 = np.array([2 + 18 * k for k in LAYER_IDS], np.float64)
     bound = c.bound + k16[None] * BF16_U * c.sens
     c.check(got, bound, " (bf16)")

@@ -23,6 +23,7 @@ from dspark_jax.train import flags as cli
 from dspark_jax.train import trainer as train
 from dspark_jax.verifier import UnsupportedVerifierError, VerifierCheckpointError, instep
 from tests.data.conftest import make_tiny_data, write_prepared_dataset
+from tests.multiprocess import launch
 from tests.numerics import U
 from tests.train.conftest import read_jsonl, tiny_argv
 from tests.verifier.bounds import chain_depth, projection_sensitivity
@@ -287,32 +288,14 @@ def test_compile_for_includes_the_verifier(setup, tmp_path, capsys):
 def test_two_processes_read_only_their_shards(setup, tmp_path):
     """Each of 2 processes (2 CPU devices each, mesh fsdp=2 x tensor=2) reads exactly the
     slices its devices hold, and they equal the file's."""
-    import os
-    import subprocess
-
-    import portpicker
-
-    from tests.train.conftest import PYTHON, ROOT
-
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    port = str(portpicker.pick_unused_port())
-    folder = str(setup[0] / "verifier")
-    procs = [
-        subprocess.Popen(
-            [PYTHON, "-m", "tests.verifier.load_child", folder, port, str(pid)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for pid in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    outs = launch(
+        "tests.verifier.load_child",
+        [str(setup[0] / "verifier")],
+        devices=2,
+        processes=2,
+        timeout=300,
+    )
+    for out in outs:
         assert out.startswith("ok "), out
 
 
