@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
     args = ap.parse_args()
     values: dict[tuple[str, str, str], list[float]] = {}
+    by_seed: dict[tuple[str, str, str, int], float] = {}
     missing = []
     for variant, _ in VARIANTS:
         for seed in args.seeds:
@@ -70,16 +71,36 @@ def main() -> None:
                     if key in acc:
                         v = acc[key]["acceptance_length"]
                         values.setdefault((variant, ds, key), []).append(v)
+                        by_seed[(variant, ds, key, seed)] = v
                         line[f"{ds}:{key}"] = round(v, 4)
             print(json.dumps(line))
     header = ["drafter"] + [f"{d}: {m}" for _, d in DATASETS for _, m in METHODS]
     print()
     print("| " + " | ".join(header) + " |")
     print("| " + " | ".join(["---"] * len(header)) + " |")
-    for variant, title in VARIANTS:
+    ran = [(v, t) for v, t in VARIANTS if any(k[0] == v for k in values)]
+    for variant, title in ran:
         cells = [
             cell(values.get((variant, ds, key), [])) for ds, _ in DATASETS for key, _ in METHODS
         ]
+        print("| " + " | ".join([title, *cells]) + " |")
+    # Paired with the baseline of the same seed (same rows, anchors and first epoch):
+    # the per-seed difference cancels what the seeds share.
+    print()
+    print("| minus the baseline of the same seed | " + " | ".join(header[1:]) + " |")
+    print("| " + " | ".join(["---"] * len(header)) + " |")
+    for variant, title in ran:
+        if variant == "baseline":
+            continue
+        cells = []
+        for ds, _ in DATASETS:
+            for key, _ in METHODS:
+                diffs = [
+                    by_seed[(variant, ds, key, s)] - by_seed[("baseline", ds, key, s)]
+                    for s in args.seeds
+                    if (variant, ds, key, s) in by_seed and ("baseline", ds, key, s) in by_seed
+                ]
+                cells.append(cell(diffs).replace("(1 seed)", "(1)"))
         print("| " + " | ".join([title, *cells]) + " |")
     if missing:
         print(f"\nmissing: {' '.join(missing)}")
