@@ -201,3 +201,37 @@ def test_compile_for_a_sharded_mesh(setup, tmp_path, capsys):  # noqa: F811
     line = next(ln for ln in out.splitlines() if "in-step verifier (qwen3, 4 layers" in ln)
     assert "forward and on the drafted blocks (Draft-OPD) <= " in line
     assert out.splitlines()[-1].startswith("[compile] fits: local")
+
+
+def test_free_running_tokens_greedy_and_sampled():
+    """Without a Markov head: greedy slot k drafts argmax(h_k W), the token slot k + 1
+    conditions on; sampled draws follow softmax(h_k W) (counts over 4000 blocks within 6
+    binomial standard deviations), the same key draws the same tokens, another key others."""
+    from dspark_jax.train.opd import free_running_tokens
+
+    rng = np.random.default_rng(0)
+    A, B, H, V = 4000, 3, 4, 5
+    w = jnp.asarray(rng.standard_normal((H, V)), jnp.float32)
+    h_row = rng.standard_normal((B, H)).astype(np.float32)
+    hidden = jnp.asarray(np.broadcast_to(h_row, (A, B, H)))
+    teacher = jnp.asarray(rng.integers(0, V, (A, B)), jnp.int32)
+
+    def draft(key, sampled):
+        return np.asarray(
+            free_running_tokens(
+                None, hidden, teacher, w, d2t=None, start_pos=0, key=key, sampled=sampled,
+                anchor_chunk=512,
+            )
+        )  # fmt: skip
+
+    greedy = draft(jax.random.key(0), False)
+    z = h_row @ np.asarray(w)
+    assert (greedy[:, 0] == np.asarray(teacher)[:, 0]).all()
+    assert (greedy[:, 1:] == z[:-1].argmax(-1)[None]).all()
+    drawn = draft(jax.random.key(1), True)
+    assert (draft(jax.random.key(1), True) == drawn).all()
+    assert (draft(jax.random.key(2), True) != drawn).any()
+    p = np.exp(z[0] - z[0].max())
+    p /= p.sum()
+    counts = np.bincount(drawn[:, 1], minlength=V)
+    assert (np.abs(counts - A * p) <= 6 * np.sqrt(A * p * (1 - p)) + 1).all(), (counts, A * p)
