@@ -26,7 +26,13 @@ VARIANTS = (
     ("both", "ours, on-policy data, per-document anchors"),
     ("dpard", "ours, original data, D-PARD (renyi_half, dpard, alpha 0.5)"),
     ("opd", "ours, original data, Draft-OPD after a ce/tv epoch"),
+    # bench/objectives_measure.sh with TAG=_onpolicy (the on-policy rows)
+    ("baseline_onpolicy", "ours, on-policy data, in-step"),
+    ("dpard_onpolicy", "ours, on-policy data, D-PARD"),
+    ("opd_onpolicy", "ours, on-policy data, Draft-OPD after a ce/tv epoch"),
 )
+# The run each variant is paired with (same seed): the baseline on the same data.
+PAIRED = {"dpard_onpolicy": "baseline_onpolicy", "opd_onpolicy": "baseline_onpolicy"}
 DATASETS = (
     ("heldout_onpolicy", "held-out prompts, verifier's answers"),
     ("heldout", "held-out, original answers"),
@@ -87,18 +93,19 @@ def main() -> None:
     # Paired with the baseline of the same seed (same rows, anchors and first epoch):
     # the per-seed difference cancels what the seeds share.
     print()
-    print("| minus the baseline of the same seed | " + " | ".join(header[1:]) + " |")
+    print("| minus the same seed's baseline on the same data | " + " | ".join(header[1:]) + " |")
     print("| " + " | ".join(["---"] * len(header)) + " |")
     for variant, title in ran:
-        if variant == "baseline":
+        base = PAIRED.get(variant, "baseline")
+        if variant in ("baseline", "baseline_onpolicy"):
             continue
         cells = []
         for ds, _ in DATASETS:
             for key, _ in METHODS:
                 diffs = [
-                    by_seed[(variant, ds, key, s)] - by_seed[("baseline", ds, key, s)]
+                    by_seed[(variant, ds, key, s)] - by_seed[(base, ds, key, s)]
                     for s in args.seeds
-                    if (variant, ds, key, s) in by_seed and ("baseline", ds, key, s) in by_seed
+                    if (variant, ds, key, s) in by_seed and (base, ds, key, s) in by_seed
                 ]
                 cells.append(cell(diffs).replace("(1 seed)", "(1)"))
         print("| " + " | ".join([title, *cells]) + " |")
