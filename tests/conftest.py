@@ -40,6 +40,9 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 REFERENCE_PACKAGES = ("speculators", "hs_connectors")
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
+# Session fixtures of more than one test directory (loaded after the environment above).
+pytest_plugins = ("tests.verifier.instep_fixtures",)
+
 
 def _blocked() -> bool:
     """The run deliberately without the reference packages (-p tests.block_reference)."""

@@ -91,10 +91,11 @@ def test_batch_loss_is_the_mean_of_row_losses_with_per_row_anchors():
 
     keys = jax.random.split(key, 2)
     per_row = []
+    one_row = nnx.jit(row_loss, static_argnums=5)  # one compile, not op-by-op dispatch
     for r in range(2):
         row = {k: v[r] for k, v in batch.items()}
         anchors, valid = anchor_ops.select_anchors(keys[r], row["loss_mask"], 6, cfg.block_size)
-        per_row.append(row_loss(model, frozen, row, anchors, valid, settings))
+        per_row.append(one_row(model, frozen, row, anchors, valid, settings))
     # Batched (vmap, jit) vs per row: the same fp32 sums in other orders. The loss bound
     # comes from its sensitivity to all weights and inputs (tests.numerics.model_roundoff).
     graphdef, params = nnx.split(model)
@@ -164,9 +165,10 @@ def test_bf16_compute_tracks_fp32():
     key = jax.random.key(0)
     m32 = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
     m16 = DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    l32, _ = batch_loss(m32, frozen, batch, key, settings)
+    loss = nnx.jit(batch_loss, static_argnums=4)  # compiled as training runs it
+    l32, _ = loss(m32, frozen, batch, key, settings)
     frozen16 = FrozenWeights(*(x.astype(jnp.bfloat16) for x in frozen))
-    l16, _ = batch_loss(m16, frozen16, batch, key, settings)
+    l16, _ = loss(m16, frozen16, batch, key, settings)
     assert nnx.state(m16, nnx.Param)["fc"]["kernel"][...].dtype == jnp.float32  # fp32 master
     # bf16 rounds the matmul operands and sublayer outputs: ~40 roundings on a path (per
     # layer the norm, q/k/v, q/k norms, RoPE, P, attention out, o_proj, norm, gate/up, act,

@@ -215,20 +215,30 @@ def test_anchor_draw_does_not_depend_on_the_split():
             np.testing.assert_array_equal(x, y)  # the same anchors, bit for bit
 
 
+@functools.cache
+def _one_device(seed):
+    """The unsplit step's loss, metrics and gradients, the loss's sensitivities (for its
+    bound) and the per-row gradients: the same for every mesh, computed once."""
+    d = _drafter()
+    key = jax.random.key(seed)
+    floats = {k: v for k, v in d.batch.items() if v.dtype == jnp.float32}
+    sens = jax.jit(jax.grad(lambda p, fr, fl: d.loss(p, fr, dict(d.batch, **fl), key)[0],
+                            argnums=(0, 1, 2)))(d.params, d.frozen, floats)  # fmt: skip
+    per_row = _run(d.per_row, None, d.params, d.batch, jax.random.split(key, ROWS))
+    return _run(d.step, None, d.params, d.frozen, d.batch, key), floats, sens, per_row
+
+
 @pytest.mark.parametrize("spec", DRAFT_MESHES)
 def test_drafter_loss_metrics_and_grads_split_over_context(spec):
     d = _drafter()
     key = jax.random.key(5)
-    (l1, m1), g1 = _run(d.step, None, d.params, d.frozen, d.batch, key)
+    ((l1, m1), g1), floats, sens, per_row = _one_device(5)
     (lc, mc), gc = _run(d.step, spec, *_on_mesh(spec, d.params, d.frozen, d.batch), key)
 
     # The split evaluates the same fp32 sums in other orders. Longest accumulation chain:
     # tests.numerics.DRAFTER_DEPTH (<= 64 visible keys, 2 layers) plus, per layer, the
     # context merge: a C-term psum and two rescales (C <= 4), i.e. 2 x 6 roundings.
     depth = DRAFTER_DEPTH + 2 * 6
-    floats = {k: v for k, v in d.batch.items() if v.dtype == jnp.float32}
-    sens = jax.jit(jax.grad(lambda p, fr, fl: d.loss(p, fr, dict(d.batch, **fl), key)[0],
-                            argnums=(0, 1, 2)))(d.params, d.frozen, floats)  # fmt: skip
     assert_within(lc, l1, model_roundoff(sens, (d.params, d.frozen, floats), depth), "loss")
     # Metrics: the counts are integer-valued fp32 sums (exact); accept_len as in
     # tests/parallel/test_sharding.py: per block (1 + 2 + 3 + 4) x 2 depth u.
@@ -241,7 +251,6 @@ def test_drafter_loss_metrics_and_grads_split_over_context(spec):
     # Gradients, per leaf in the Frobenius norm as in test_sharding: each row's gradient
     # within depth u |g_r| per side, the cross-row and cross-device sums (<= 4 rows + 8
     # devices) within 12 u sum_r |g_r|.
-    per_row = _run(d.per_row, None, d.params, d.batch, jax.random.split(key, ROWS))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(g1)]
     leaves = (jax.tree.leaves(t) for t in (gc, g1, per_row))
     for path, a, b, rows in zip(paths, *leaves, strict=True):

@@ -186,10 +186,11 @@ def test_drafter_matches_reference(case):
     def loss_of(m):
         return row_loss(m, jfrozen, jrow, ja, jv, settings)
 
-    (loss, metrics), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
+    # Compiled, as training runs them (op-by-op dispatch takes longer than the compiles).
+    (loss, metrics), grads = nnx.jit(nnx.value_and_grad(loss_of, has_aux=True))(model)
 
     # Logits (Markov-corrected) and targets, densely: fine at this vocab size.
-    out = model(jrow, ja, jfrozen)
+    out = nnx.jit(lambda m: m(jrow, ja, jfrozen))(model)
     logits = out.hidden @ jfrozen.lm_head
     if out.markov_feature is not None:
         logits = logits + out.markov_feature @ model.markov_w2()

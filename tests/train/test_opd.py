@@ -1,5 +1,5 @@
 """``--training-stage opd``: Draft-OPD in the step (dspark_jax/train/opd.py), on the
-in-step verifier's tiny setup (tests/verifier/test_instep.py: a random HF Qwen3 verifier,
+in-step verifier's tiny setup (tests/verifier/instep_fixtures.py: a random HF Qwen3 verifier,
 hidden 8, 4 layers).
 
 * The targets of a row's slots are the verifier's states on the *drafted* prefix: for
@@ -34,21 +34,22 @@ from dspark_jax.verifier import hidden_states
 from tests.numerics import U
 from tests.train.conftest import read_jsonl
 from tests.verifier.bounds import chain_depth, pack_documents, projection_sensitivity
-from tests.verifier.test_instep import argv as instep_argv
-from tests.verifier.test_instep import setup  # noqa: F401 (the module's fixture)
+from tests.verifier.instep_fixtures import instep_argv
 
 N = 4  # the verifier's layers
 LENGTH = 128  # the packed row of the checked anchors' prefixes (3 x at most 30 + 4)
 
 
-def opd_argv(setup, out, **over):  # noqa: F811
-    return instep_argv(setup, out, **{"training_stage": "opd", **over})
+def opd_argv(instep_setup, out, **over):
+    return instep_argv(instep_setup, out, **{"training_stage": "opd", **over})
 
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["sfa", "no_sfa"])
-def test_targets_are_the_verifier_on_the_drafted_prefix(setup, tmp_path, sample_from_anchor):  # noqa: F811
+def test_targets_are_the_verifier_on_the_drafted_prefix(instep_setup, tmp_path, sample_from_anchor):
     over = {"sample_from_anchor" if sample_from_anchor else "no_sample_from_anchor": True}
-    t = train.Trainer(cli.resolve(opd_argv(setup, tmp_path, **over)), devices=jax.devices()[:1])
+    t = train.Trainer(
+        cli.resolve(opd_argv(instep_setup, tmp_path, **over)), devices=jax.devices()[:1]
+    )
     cfg = t.cfg
     assert cfg.sample_from_anchor is sample_from_anchor
     b, start = cfg.block_size, 0 if sample_from_anchor else 1
@@ -121,36 +122,39 @@ def test_targets_are_the_verifier_on_the_drafted_prefix(setup, tmp_path, sample_
     assert not within(other[rows])[differs].all()
 
 
-def test_sft_then_opd_trains_and_resumes_exactly(setup, tmp_path, caplog):  # noqa: F811
-    """The recipe: an SFT epoch, then the same run resumed with --training-stage opd for
-    epoch 2 (checkpoints every half epoch); resuming that from its middle checkpoint
-    repeats it exactly. The best validation loss restarts with the new objective."""
+def test_sft_then_opd_trains_and_resumes_exactly(instep_setup, instep_trained, tmp_path, caplog):
+    """The recipe: a 2-epoch SFT run's epoch-1 checkpoint (the session's in-step run)
+    resumed with --training-stage opd for epoch 2 (checkpoints every half epoch); resuming
+    that from its middle checkpoint repeats it exactly. The best validation loss restarts
+    with the new objective."""
+    sft = read_jsonl(instep_trained / "logs" / "run" / "metrics.jsonl")
+    assert not any("opd_acc_loss" in r.get("train", {}) for r in sft)  # SFT logs no OPD metric
+    assert all("opd_rej_loss_epoch" not in r["val"] for r in sft if "val" in r)
     full = tmp_path / "full"
-    sft = instep_argv(setup, full, epochs=1)
-    assert train.run(cli.resolve(sft), devices=jax.devices()[:1]) == 0
+    shutil.copytree(instep_trained / "ckpt", full / "ckpt")
     first = sorted(int(p.name) for p in (full / "ckpt").iterdir() if p.name.isdigit())
+    assert len(first) == 2  # one per epoch: drop epoch 2's
+    shutil.rmtree(full / "ckpt" / str(first[-1]))
     flags = dict(epochs=2, checkpoint_freq=0.5)
     with caplog.at_level(logging.INFO, logger="dspark_jax"):
-        assert (
-            train.run(cli.resolve(opd_argv(setup, full, **flags)), devices=jax.devices()[:1]) == 0
-        )
+        args = cli.resolve(opd_argv(instep_setup, full, **flags))
+        assert train.run(args, devices=jax.devices()[:1]) == 0
     assert "checkpoint with --training-stage opd: the best validation loss restarts" in caplog.text
     records = read_jsonl(full / "logs" / "run" / "metrics.jsonl")
-    trained = [r["train"] for r in records if "train" in r]
-    opd = [r for r in trained if "opd_acc_loss" in r]
-    assert opd and len(opd) < len(trained)  # the SFT steps logged no Draft-OPD metric
+    opd = [r["train"] for r in records if "train" in r]
+    assert opd and all("opd_acc_loss" in r for r in opd)
     for name in ("loss", "opd_acc_loss", "opd_rej_loss", "opd_accepted", "accept_len"):
         assert all(np.isfinite(r[name]) for r in opd), name
     vals = [r["val"] for r in records if "val" in r]
-    assert "opd_rej_loss_epoch" not in vals[0] and np.isfinite(vals[-1]["opd_rej_loss_epoch"])
+    assert np.isfinite(vals[-1]["opd_rej_loss_epoch"])
     steps = sorted(int(p.name) for p in (full / "ckpt").iterdir() if p.name.isdigit())
     meta = json.loads((full / "ckpt" / str(steps[-1]) / "meta" / "metadata").read_text())
-    assert meta["training_stage"] == "opd" and steps[-1] > first[-1]
+    assert meta["training_stage"] == "opd" and steps[-1] == first[-1]  # epoch 2's end again
     assert meta["best_val_loss"] == pytest.approx(vals[-1]["loss_epoch"], rel=1e-6)
 
     shutil.copytree(full / "ckpt", tmp_path / "resumed" / "ckpt")
     shutil.rmtree(tmp_path / "resumed" / "ckpt" / str(steps[-1]))
-    resumed = cli.resolve(opd_argv(setup, tmp_path / "resumed", **flags))
+    resumed = cli.resolve(opd_argv(instep_setup, tmp_path / "resumed", **flags))
     assert train.run(resumed, devices=jax.devices()[:1]) == 0
     losses = [r["loss"] for r in opd]
     again = [
@@ -171,24 +175,26 @@ def test_sft_then_opd_trains_and_resumes_exactly(setup, tmp_path, caplog):  # no
         (dict(training_stage="sft", lambda_rej=2.0), "--lambda-rej only apply with --training-stage opd"),
     ],
 )  # fmt: skip
-def test_flag_errors(setup, tmp_path, over, message):  # noqa: F811
+def test_flag_errors(instep_setup, tmp_path, over, message):
     with pytest.raises(cli.ConfigError, match=message):
-        cli.resolve(opd_argv(setup, tmp_path, **over))
+        cli.resolve(opd_argv(instep_setup, tmp_path, **over))
 
 
-def test_a_context_axis_is_refused(setup, tmp_path):  # noqa: F811
-    args = cli.resolve(opd_argv(setup, tmp_path, mesh="context=2", rows_per_step=1))
+def test_a_context_axis_is_refused(instep_setup, tmp_path):
+    args = cli.resolve(opd_argv(instep_setup, tmp_path, mesh="context=2", rows_per_step=1))
     with pytest.raises(cli.ConfigError, match="--training-stage opd with --mesh context=2"):
         train.Trainer(args, devices=jax.devices()[:2])
 
 
-def test_compile_for_a_sharded_mesh(setup, tmp_path, capsys):  # noqa: F811
+def test_compile_for_a_sharded_mesh(instep_setup, tmp_path, capsys):
     """--dry-run --compile-for local --mesh fsdp=2,tensor=2 --training-stage opd, from the
-    verifier's config.json alone: the Draft-OPD step partitions and its report counts the
-    verifier's second pass (the row again and its drafted blocks)."""
+    verifier's config.json alone (no weights, no data): the Draft-OPD step partitions, and
+    its report counts the in-step verifier and its second pass (the row again and its
+    drafted blocks). It stands for the plain in-step step's compile too: it holds the same
+    verifier forward."""
     cfg_only = tmp_path / "config_only"
     cfg_only.mkdir()
-    shutil.copy(setup[0] / "verifier" / "config.json", cfg_only / "config.json")
+    shutil.copy(instep_setup[0] / "verifier" / "config.json", cfg_only / "config.json")
     from tests.train.test_compile_for import tiny_compile_argv
 
     argv = tiny_compile_argv(
@@ -200,6 +206,7 @@ def test_compile_for_a_sharded_mesh(setup, tmp_path, capsys):  # noqa: F811
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if "in-step verifier (qwen3, 4 layers" in ln)
     assert "forward and on the drafted blocks (Draft-OPD) <= " in line
+    assert "bfloat16 weights" in line and "TFLOP per step" in line
     assert out.splitlines()[-1].startswith("[compile] fits: local")
 
 
