@@ -116,13 +116,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build(name: str, folder, seed: int = 0):
-    """Save a random model of family ``name`` to ``folder``; returns the torch model (fp32,
-    eager attention, which applies soft-capping)."""
+def build(name: str, folder, seed: int = 0, **shape):
+    """Save a random model of family ``name`` (``shape`` overriding COMMON) to ``folder``;
+    returns the torch model (fp32, eager attention, which applies soft-capping)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = FAMILIES[name]
-    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra, **shape})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     gemma = model_type.startswith("gemma")

@@ -27,29 +27,13 @@ SHAPE = dict(
 )
 
 
-def hf_qwen3(folder, seed=0):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("qwen3", **SHAPE)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            p.copy_(r / p.shape[-1] ** 0.5 if p.ndim >= 2 and "embed" not in name else r)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * r)
-    model.save_pretrained(folder)
-    return model
-
-
 @pytest.fixture(scope="session")
 def instep_setup(tmp_path_factory):
     """(folder holding verifier/, the HF model, the tiny data)."""
+    from tests.verifier.hf_models import build  # torch: only where these tests run
+
     root = tmp_path_factory.mktemp("instep")
-    model = hf_qwen3(root / "verifier")
+    model = build("qwen3", root / "verifier", **SHAPE)
     data = make_tiny_data(root / "data", n_docs=40, max_len=30)
     shutil.rmtree(data.hs_path)  # the in-step backend needs the prepared dataset only
     return root, model, data
