@@ -41,7 +41,7 @@ REFERENCE_PACKAGES = ("speculators", "hs_connectors")
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 # Session fixtures of more than one test directory (loaded after the environment above).
-pytest_plugins = ("tests.verifier.instep_fixtures",)
+pytest_plugins = ("tests.verifier.instep_fixtures", "tests.served.fixtures")
 
 
 def _blocked() -> bool:

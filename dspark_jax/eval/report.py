@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from dspark_jax.eval import acceptance, calibration
+from dspark_jax.eval import served as served_mod
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class DatasetBlocks:
     documents: int
     skipped_documents: int = 0
     longest_document: int | None = None
+    served: served_mod.ServedSteps | None = None  # the greedy engine's walk (eval/served.py)
 
     @property
     def blocks(self) -> int:
@@ -159,6 +161,10 @@ def build_report(
                         for k, c in curves.items()
                     },
                 }
+            )
+        if ds.served is not None and ds.served.generated.size:
+            entry["served"] = served_mod.summary(
+                ds.served, num_draft, context_edges, ds.longest_document
             )
         report["datasets"][ds.name] = entry
 
@@ -304,6 +310,37 @@ def acceptance_table(report: dict[str, Any], key: str) -> list[str]:
     return lines
 
 
+SERVED_TITLE = (
+    "### Served-equivalent (compare with an engine): greedy speculative decoding of each "
+    "response, drafting at the anchors the engine's acceptances visit"
+)
+
+
+def served_table(report: dict[str, Any]) -> list[str]:
+    """Markdown lines of the served-equivalent walk (eval/served.py), or none."""
+    entries = {n: e["served"] for n, e in report["datasets"].items() if e.get("served")}
+    if not entries:
+        return []
+    n = report["draft_positions"]
+    lines = [
+        "",
+        SERVED_TITLE,
+        "",
+        "Exact when each response is the verifier's own greedy continuation (served text or "
+        "greedy `launch.regenerate`); `acceptance length` = 1 + accepted / drafts, as the "
+        "engines count; `tokens/pass` = generated tokens / verifier passes (prefill included).",
+        "",
+    ]
+    header = ["data", *[f"pos{k}" for k in range(n)], "acceptance length", "tokens/pass",
+              "drafts", "responses"]  # fmt: skip
+    lines += ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * len(header)) + " |"]
+    for name, e in entries.items():
+        cells = [name, *[_pct(v) for v in e["cumulative"]], _f(e["acceptance_length"]),
+                 _f(e["tokens_per_pass"]), str(e["drafts"]), str(e["responses"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     n = report["draft_positions"]
     title = report.get("checkpoint", "drafter")
@@ -317,6 +354,7 @@ def markdown(report: dict[str, Any]) -> str:
             "= 1 + sum of the `posK` (the bonus token counted)."
         ),
     ]
+    lines += served_table(report)
     for rule, cond in METHODS:
         lines += ["", f"### {RULE_TITLES[rule]}; {CONDITIONING_TITLES[cond]}", ""]
         lines += acceptance_table(report, method_key(rule, cond))
@@ -398,6 +436,11 @@ def acceptance_csv(report: dict[str, Any]) -> str:
                     name, rule, cond, k, _cell(c["cumulative"][k]), _cell(c["conditional"][k]),
                     _cell(c["slot_mean"][k]), c["slots"][k], c["blocks"], _cell(c["acceptance_length"]),
                 ])  # fmt: skip
+        if entry.get("served"):  # the walk: drafts are its blocks, every slot drafted
+            e = entry["served"]
+            for k in range(report["draft_positions"]):
+                rows.append([name, "greedy", "served", k, _cell(e["cumulative"][k]), "", "",
+                             e["drafts"], e["drafts"], _cell(e["acceptance_length"])])  # fmt: skip
     return _csv(rows)
 
 
@@ -411,6 +454,9 @@ def context_csv(report: dict[str, Any]) -> str:
                 a = b["acceptance"][method_key(rule, cond)]
                 rows.append([name, rule, cond, b["lo"], _cell(b["hi"]), b["blocks"],
                              _cell(a["acceptance_length"]), *map(_cell, a["cumulative"])])  # fmt: skip
+        for b in entry.get("served", {}).get("by_context", []):
+            rows.append([name, "greedy", "served", b["lo"], _cell(b["hi"]), b["drafts"],
+                         _cell(b["acceptance_length"]), *map(_cell, b["cumulative"])])  # fmt: skip
     return _csv(rows)
 
 

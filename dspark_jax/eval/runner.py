@@ -52,7 +52,7 @@ from flax import nnx
 from dspark_jax.checkpoint import load
 from dspark_jax.config import DSparkConfig, verifier_norm_style
 from dspark_jax.data.verifier import load_verifier_tensors, verifier_model_type
-from dspark_jax.eval import acceptance, calibration, report
+from dspark_jax.eval import acceptance, calibration, report, served
 from dspark_jax.eval.slot_statistics import row_statistics
 from dspark_jax.model.draft import ROW_KEYS, DSparkDraftModel, FrozenWeights
 from dspark_jax.verifier import instep
@@ -60,6 +60,10 @@ from dspark_jax.verifier import instep
 log = logging.getLogger("dspark_jax.eval")
 
 ANCHOR_RULES = ("train", "full-block")
+# A row's padding (outside every document) so the blocks of its last B positions exist.
+_PAD = {"document_ids": -1}
+# The row arrays the served walk reads (served.row_steps' order).
+_WALK_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
 TEMPERATURES_FILE = "confidence_temperatures.json"
 
 
@@ -173,6 +177,19 @@ class EvalSettings:
     on_missing: str = "raise"
     num_workers: int = 0
     hidden_states_backend: str = "file"  # "jax": the verifier runs per row (no files)
+    num_draft_tokens: int | None = None  # the engine's draft tokens; None: the drafter's
+    served: bool = True  # the served-equivalent walk (drafts at every supervised position)
+    served_engine: str = "llama.cpp"  # whose end-of-response rules (served.ENGINES)
+    max_new_tokens: int | None = None  # the served requests' token budget
+    eos_ids: tuple[int, ...] = ()  # the verifier's end-of-sequence ids
+
+
+def pad_row(row: dict[str, np.ndarray], extra: int) -> dict[str, np.ndarray]:
+    """The row's ROW_KEYS arrays with ``extra`` positions of padding (document -1)."""
+    return {
+        k: np.concatenate([v, np.full((extra, *v.shape[1:]), _PAD.get(k, 0), v.dtype)])
+        for k, v in ((k, np.asarray(row[k])) for k in ROW_KEYS)
+    }
 
 
 def default_anchor_chunk(draft_vocab_size: int, budget: int = 1 << 23) -> int:
@@ -197,6 +214,7 @@ class Evaluator:
         if verifier is not None:
             self._fill = jax.jit(verifier[0].fill)
         self.settings = settings
+        self.num_draft = settings.num_draft_tokens or cfg.speculative_tokens
         dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[settings.dtype]
         abstract = nnx.eval_shape(
             lambda: DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=False)
@@ -216,19 +234,32 @@ class Evaluator:
 
         self._stats = jax.jit(stats)
 
-    def row(self, row: dict[str, np.ndarray], row_index: int) -> dict[str, np.ndarray] | None:
-        """Statistics of the chosen anchors of one packed row (host arrays), or None."""
+    def row(
+        self, row: dict[str, np.ndarray], row_index: int
+    ) -> tuple[dict[str, np.ndarray] | None, served.ServedSteps]:
+        """Statistics of the chosen anchors of one packed row (host arrays, or None when
+        it has none) and the served-equivalent walk over its responses.
+
+        The walk needs a draft at every supervised position, the last B of the row
+        included: the row is padded by B positions (outside every document) so those
+        blocks exist; the tables keep the training rule's anchors.
+        """
         s, b = self.settings, self.cfg.block_size
         eligible = eligible_anchors(row["loss_mask"], row["document_ids"], b, s.anchor_rule)
         rng = np.random.default_rng([s.seed, row_index])
-        anchors = choose_anchors(eligible, s.num_anchors, rng)
+        chosen = choose_anchors(eligible, s.num_anchors, rng)
+        walked = np.zeros(0, np.int32)
+        if s.served:
+            walked = np.flatnonzero((row["loss_mask"] > 0) & (row["document_ids"] >= 0))
+        anchors = np.union1d(chosen, walked).astype(np.int32)
         if anchors.size == 0:
-            return None
+            return None, served.ServedSteps.empty()
+        padded = pad_row(row, b)
         if self.verifier is not None:
-            one = {k: jnp.asarray(row[k])[None] for k in ROW_KEYS}
+            one = {k: jnp.asarray(padded[k])[None] for k in ROW_KEYS}
             device_row = {k: v[0] for k, v in self._fill(self.verifier[1], one).items()}
         else:
-            device_row = {k: jnp.asarray(row[k]) for k in ROW_KEYS}
+            device_row = {k: jnp.asarray(padded[k]) for k in ROW_KEYS}
         key = jax.random.fold_in(jax.random.key(s.seed), row_index)
         parts = []
         for g, (group, valid) in enumerate(anchor_groups(anchors, s.anchors_per_call)):
@@ -239,8 +270,21 @@ class Evaluator:
             out = jax.device_get(out)
             parts.append({k: np.asarray(v)[valid] for k, v in out.items()})
         merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        merged["row"] = np.full(anchors.size, row_index, np.int64)
-        return merged
+        steps = served.ServedSteps.empty()
+        if s.served:
+            start = 0 if self.cfg.sample_from_anchor else 1
+            drafts = merged["draft_fr"][:, start : start + self.num_draft]
+            steps = served.row_steps(
+                drafts, anchors, *(np.asarray(row[k]) for k in _WALK_KEYS),
+                eos_ids=s.eos_ids, max_new_tokens=s.max_new_tokens,
+                rules=served.ENGINES[s.served_engine],
+            )  # fmt: skip
+        keep = np.isin(anchors, chosen)
+        if not keep.any():
+            return None, steps
+        merged = {k: v[keep] for k, v in merged.items() if k != "draft_fr"}
+        merged["row"] = np.full(int(keep.sum()), row_index, np.int64)
+        return merged, steps
 
     def dataset(
         self, name: str, data_path: str | Path, hidden_states_path: str | Path | None = None
@@ -275,7 +319,7 @@ class Evaluator:
         total_rows = data.steps_per_epoch("train", 0)
         limit = total_rows if s.max_rows is None else min(total_rows, s.max_rows)
         it = data.train_iterator(num_epochs=1, num_workers=s.num_workers)
-        parts, rows, documents, skipped, longest = [], 0, 0, 0, 0
+        parts, walks, rows, documents, skipped, longest = [], [], 0, 0, 0, 0
         t0 = time.time()
         try:
             for row_index, batch in enumerate(it):
@@ -287,8 +331,9 @@ class Evaluator:
                 documents += len(np.unique(np.asarray(row["document_ids"])[in_doc]))
                 if in_doc.any():  # positions count from 0 in each document
                     longest = max(longest, int(np.asarray(row["position_ids"])[in_doc].max()) + 1)
-                out = self.row(row, row_index)
+                out, steps = self.row(row, row_index)
                 rows += 1
+                walks.append(steps)
                 if out is not None:
                     parts.append(out)
                 if rows % 10 == 0 or rows == limit:
@@ -301,7 +346,9 @@ class Evaluator:
                 f"(anchor rule {s.anchor_rule!r}: needs supervised tokens, loss_mask == 1)"
             )
         arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        return report.DatasetBlocks(name, arrays, rows, documents, skipped, longest)
+        return report.DatasetBlocks(
+            name, arrays, rows, documents, skipped, longest, served.ServedSteps.concat(walks)
+        )
 
 
 def add_realised_draws(blocks: report.DatasetBlocks, seed: int) -> None:
@@ -407,6 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions reported (default: the drafter's speculative tokens)")  # fmt: skip
     g.add_argument("--context-buckets", type=_edges, default=list(acceptance.DEFAULT_CONTEXT_EDGES),
                    help="context-length bucket edges (comma-separated)")  # fmt: skip
+    g.add_argument("--no-served", action="store_true",
+                   help="skip the served-equivalent walk (it drafts at every supervised "
+                   "position, whatever --num-anchors samples for the tables)")  # fmt: skip
+    g.add_argument("--served-engine", default="llama.cpp", choices=tuple(served.ENGINES),
+                   help="whose end-of-response rules the served-equivalent walk follows")  # fmt: skip
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="the served requests' token budget (max_tokens), for the walk")  # fmt: skip
     g.add_argument("--output-dir", default="eval_results")
     g.add_argument("--no-plots", action="store_true")
 
@@ -423,6 +477,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to save the fitted temperatures (default: beside the checkpoint)")  # fmt: skip
     g.add_argument("--no-save-temperatures", action="store_true")
     return p
+
+
+def verifier_eos_ids(verifier: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids an engine stops on: ``eos_token_id`` of the verifier's
+    generation_config.json and config.json (an int or a list each), and its text config's."""
+    import json
+
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = verifier / name
+        if not path.is_file():
+            continue
+        d = json.loads(path.read_text())
+        for src in (d, d.get("text_config") or {}):
+            v = src.get("eos_token_id")
+            ids.update([v] if isinstance(v, int) else (v or []))
+    return tuple(sorted(ids))
 
 
 def _resolve_verifier(args, cfg: DSparkConfig) -> Path:
@@ -449,6 +520,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise EvalError("--calibration-fit-fraction must be in [0, 1)")
     if args.anchors_per_call <= 0:
         raise EvalError("--anchors-per-call must be positive")
+    if args.max_new_tokens is not None and args.max_new_tokens <= 0:
+        raise EvalError("--max-new-tokens must be positive")
 
     step: int | str = args.step
     if step not in ("latest", "best"):
@@ -481,6 +554,11 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         on_missing=args.on_missing,
         num_workers=args.num_workers,
         hidden_states_backend=args.hidden_states_backend,
+        num_draft_tokens=n_draft,
+        served=not args.no_served,
+        served_engine=args.served_engine,
+        max_new_tokens=args.max_new_tokens,
+        eos_ids=verifier_eos_ids(verifier),
     )
     in_step = None
     if args.hidden_states_backend == instep.BACKEND:

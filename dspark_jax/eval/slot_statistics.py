@@ -55,6 +55,7 @@ STAT_KEYS = (
     "greedy_tf",  # [A, B] bool
     "accept_fr",  # [A, B] f32
     "greedy_fr",  # [A, B] bool
+    "draft_fr",  # [A, B] int32: the free-running greedy token, verifier ids (eval/served.py)
     "conf_tf",  # [A, B] f32 logits (absent without a confidence head)
     "conf_fr_sampled",
     "conf_fr_greedy",
@@ -129,10 +130,11 @@ def _free_running_chunk(
 
         state_g, logq_g, conf_g = path(prev_g, state_g, h_k, base)
         greedy = jnp.argmax(logq_g, axis=-1)
-        out = {"accept_fr": accept, "greedy_fr": greedy == target}
+        drafted = to_verifier_ids(greedy)
+        out = {"accept_fr": accept, "greedy_fr": greedy == target, "draft_fr": drafted}
         if conf_s is not None:
             out["conf_fr_sampled"], out["conf_fr_greedy"] = conf_s, conf_g
-        carry = (to_verifier_ids(drawn), to_verifier_ids(greedy), state_s, state_g, key)
+        carry = (to_verifier_ids(drawn), drafted, state_s, state_g, key)
         return carry, out
 
     xs = (
@@ -220,6 +222,9 @@ def slot_statistics(
     if markov_head is None:
         # Nothing conditions on previous tokens: free running is teacher forcing.
         out["accept_fr"], out["greedy_fr"] = out["accept_tf"], out["greedy_tf"]
+        pred = values["pred_ids"]
+        pred = pred if d2t is None else pred + d2t[pred]
+        out["draft_fr"] = pred.astype(teacher_prev.dtype).reshape(num, block)
         if conf_tf is not None:
             out["conf_fr_sampled"] = out["conf_fr_greedy"] = out["conf_tf"]
         return out

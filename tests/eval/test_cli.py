@@ -49,7 +49,16 @@ def test_outputs_of_an_orbax_checkpoint(random_run, eval_setup, tmp_path):
     assert summary["datasets"]["train"]["documents"] == eval_setup.data.n_docs
     assert summary["datasets"]["heldout"]["documents"] == eval_setup.heldout.n_docs
     md = (out / "acceptance.md").read_text()
-    assert md.count("| data | pos0 | pos1 | pos2 | pos3 | acceptance length |") == 4
+    # The four methods' tables and the served-equivalent one (its header goes on).
+    assert md.count("| data | pos0 | pos1 | pos2 | pos3 | acceptance length |") == 5
+    assert "| data | pos0 | pos1 | pos2 | pos3 | acceptance length | tokens/pass |" in md
+    for name in ("train", "heldout"):
+        # Every generated token is the prefill's, an accepted one or a bonus; a response
+        # whose accepted tokens reach its end has no bonus at its last step.
+        w = summary["datasets"][name]["served"]
+        assert w["passes"] == w["drafts"] + w["responses"]
+        no_bonus = w["responses"] + w["drafts"] + w["accepted"] - w["generated"]
+        assert 0 <= no_bonus <= w["responses"]
     # The Markdown, CSV and JSON agree.
     rows = list(csv.DictReader((out / "acceptance.csv").open()))
     for name in ("train", "heldout"):

@@ -1,0 +1,244 @@
+"""The served-equivalent walk (dspark_jax/eval/served.py): its rules on hand-made cases,
+and against a true speculative-decoding loop (the demo verifier in JAX + a trained
+drafter) that must be lossless and count exactly what the walk predicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.eval import served
+
+LLAMA, VLLM = served.ENGINES["llama.cpp"], served.ENGINES["vllm"]
+
+
+# ------------------------------------------------------------------ the rules
+def test_accepted_counts_stop_at_mismatch_mask_and_document():
+    ids = np.array([5, 6, 7, 8, 9, 10, 11, 12])
+    mask = np.array([0, 1, 1, 1, 1, 0, 1, 1])
+    doc = np.array([0, 0, 0, 0, 0, 0, 1, 1])
+    anchors = np.array([1, 2, 4, 5])
+    drafts = np.array([
+        [7, 8, 0],  # tokens 7, 8 match, then a mismatch: 2
+        [8, 9, 10],  # 8, 9 match; 10 is unsupervised (loss_mask 0): 2
+        [10, 11, 12],  # 10 matches the text but is unsupervised: 0
+        [11, 12, 0],  # 11 is in the next document: 0
+    ])  # fmt: skip
+    got = served.accepted_counts(drafts, anchors, ids, mask, doc)
+    np.testing.assert_array_equal(got, [2, 2, 0, 0])
+
+
+def test_response_spans_split_turns_and_documents():
+    mask = np.array([0, 1, 1, 0, 1, 1, 1, 0])
+    doc = np.array([0, 0, 0, 0, 0, 1, 1, -1])
+    assert served.response_spans(mask, doc) == [(1, 2), (4, 4), (5, 6)]
+
+
+def test_walk_moves_to_the_bonus_token():
+    n_at = np.full(40, 3)
+    n_at[14] = 0
+    # s=10: 3 accepted -> bonus at 14; 0 accepted -> 15; 3 -> 19; e=21: 2 reach the end.
+    steps = served.walk((10, 21), n_at, 4, ends_with_eos=False, rules=VLLM)
+    assert steps == [(10, 3, 4), (14, 0, 4), (15, 3, 4), (19, 2, 4)]
+
+
+def test_llamacpp_end_of_sequence_matched_before_the_last_slot_is_the_bonus():
+    n_at = np.full(40, 4)
+    # Anchors 10, 15; EOS at 17 = draft position 1 of 4: llama.cpp accepts 1, EOS is the bonus.
+    assert served.walk((10, 17), n_at, 4, rules=LLAMA) == [(10, 4, 4), (15, 1, 4)]
+    # vLLM counts the EOS as accepted.
+    assert served.walk((10, 17), n_at, 4, rules=VLLM)[-1] == (15, 2, 4)
+    # EOS in the draft's last slot: accepted by both (the bonus after it is dropped).
+    assert served.walk((10, 19), n_at, 4, rules=LLAMA)[-1] == (15, 4, 4)
+    # A response cut by the budget, not an EOS: every matched token is accepted.
+    assert served.walk((10, 17), n_at, 4, ends_with_eos=False, rules=LLAMA)[-1] == (15, 2, 4)
+
+
+def test_llamacpp_cuts_drafts_to_the_budget():
+    n_at = np.full(40, 8)
+    # Budget 8 tokens (s=0..e=7): after the prefill's token, 7 remain: a draft of 6, all
+    # accepted, bonus at 7 = the last token: the response ends, no plain step.
+    assert served.walk((0, 7), n_at, 8, ends_with_eos=False, max_new_tokens=8, rules=LLAMA) == [
+        (0, 6, 6)
+    ]
+    # One accepted per step: 6 remaining -> draft 5 ... until one remains: a plain step.
+    one = np.ones(40, int)
+    steps = served.walk((0, 7), one, 8, ends_with_eos=False, max_new_tokens=8, rules=LLAMA)
+    assert steps == [(0, 1, 6), (2, 1, 4), (4, 1, 2), (6, 0, 0)]
+    c = served.counters([s[1] for s in steps], [s[2] for s in steps], 8)
+    assert (c["drafts"], c["draft_tokens"], c["accepted"]) == (3, 12, 3)  # the plain step: none
+
+
+def test_summary_counts_passes_and_tokens():
+    steps = served.ServedSteps(
+        accepted=np.array([3, 0, 2]), drafted=np.array([4, 4, 4]),
+        context_pos=np.array([5, 9, 10]), request=np.array([0, 0, 0]), generated=np.array([8]),
+    )  # fmt: skip
+    out = served.summary(steps, 4, context_edges=(0, 8))
+    assert out["acceptance_length"] == pytest.approx(1 + 5 / 3)
+    assert out["accepted_per_pos"] == [2, 2, 1, 0]
+    assert out["passes"] == 4 and out["tokens_per_pass"] == pytest.approx(8 / 4)
+    assert [b["drafts"] for b in out["by_context"]] == [1, 2]
+
+
+# ------------------------------------------------------------------ a true loop
+MAX_NEW = 40
+PROMPTS = 3
+
+
+@pytest.fixture(scope="module")
+def loop_setup(served_drafter):
+    """An Evaluator of the trained drafter with the demo verifier in the step (fp32)."""
+    from dspark_jax.data.verifier import load_verifier_tensors
+    from dspark_jax.eval import runner
+    from dspark_jax.verifier import instep
+    from tests.served.fixtures import VERIFIER
+
+    drafter = runner.load_drafter(served_drafter, "latest")
+    cfg = runner.with_verifier_norm(drafter.cfg, VERIFIER, "auto")
+    drafter = dataclasses.replace(drafter, cfg=cfg)
+    frozen = runner.load_frozen(cfg, VERIFIER, drafter.vocab_maps[1])
+    iv = instep.build(str(VERIFIER), cfg, "float32", "float32")
+    settings = runner.EvalSettings(
+        total_seq_len=256, dtype="float32", hidden_states_dtype="float32",
+        hidden_states_backend="jax", anchors_per_call=32, max_new_tokens=MAX_NEW,
+        eos_ids=runner.verifier_eos_ids(VERIFIER),
+    )  # fmt: skip
+    ev = runner.Evaluator(drafter, frozen, settings, (iv, iv.load(None)))
+    full = load_verifier_tensors(VERIFIER)  # the whole head: the verifier's own argmax
+    head = jnp.asarray(full.lm_head).T
+    norm = jnp.asarray(full.norm)
+    eps = json.loads((VERIFIER / "config.json").read_text())["rms_norm_eps"]
+
+    @jax.jit
+    def argmax_tokens(h):  # [S, H] last layer (before the final norm) -> greedy next ids
+        x = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps) * norm
+        return jnp.argmax(jnp.dot(x, head, precision="highest"), axis=-1)
+
+    return ev, argmax_tokens
+
+
+def _row(tokens: list[int], n_prompt: int, seq: int, cfg) -> dict[str, np.ndarray]:
+    """One document (prompt, then its response supervised) in a row of ``seq`` positions;
+    zero hidden states (the in-step verifier fills them)."""
+    n = len(tokens)
+    ids = np.zeros(seq, np.int32)
+    ids[:n] = tokens
+    mask = np.zeros(seq, np.int32)
+    mask[n_prompt:n] = 1
+    doc = np.where(np.arange(seq) < n, 0, -1).astype(np.int32)
+    pos = np.where(doc >= 0, np.arange(seq), 0).astype(np.int32)
+    h = cfg.verifier_hidden_size
+    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos, "document_ids": doc,
+            "hidden_states": np.zeros((seq, cfg.num_aux_layers * h), np.float32),
+            "verifier_last_hidden_states": np.zeros((seq, h), np.float32)}  # fmt: skip
+
+
+class Loop:
+    """Greedy speculative decoding, as llama.cpp's server does it (docs/engines.md):
+    the verifier (JAX, whole-row forwards) and the drafter (the evaluator's own jitted
+    statistics at one anchor) on rows of the evaluator's shape."""
+
+    def __init__(self, ev, argmax_tokens):
+        self.ev, self.argmax_tokens = ev, argmax_tokens
+        self.seq = ev.settings.total_seq_len
+        self.b = ev.cfg.block_size
+        self.eos = set(ev.settings.eos_ids)
+
+    def filled(self, tokens: list[int]):
+        from dspark_jax.eval.runner import pad_row
+        from dspark_jax.model.draft import ROW_KEYS
+
+        row = pad_row(_row(tokens, 0, self.seq, self.ev.cfg), self.b)
+        one = {k: jnp.asarray(row[k])[None] for k in ROW_KEYS}
+        return {k: v[0] for k, v in self.ev._fill(self.ev.verifier[1], one).items()}
+
+    def greedy_next(self, tokens: list[int]) -> np.ndarray:
+        """The verifier's greedy token after each position of ``tokens``."""
+        h = self.filled(tokens)["verifier_last_hidden_states"]
+        return np.asarray(self.argmax_tokens(h))[: len(tokens)]
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """The drafter's k free-running greedy tokens from the last token (the anchor)."""
+        ev = self.ev
+        size = ev.settings.anchors_per_call
+        anchors = np.zeros(size, np.int32)
+        anchors[0] = len(tokens) - 1
+        valid = np.arange(size) == 0
+        out = ev._stats(ev.params, ev.frozen, self.filled(tokens), jnp.asarray(anchors),
+                        jnp.asarray(valid), jax.random.key(0), ev.d2t)  # fmt: skip
+        start = 0 if ev.cfg.sample_from_anchor else 1
+        return [int(t) for t in np.asarray(out["draft_fr"])[0, start : start + k]]
+
+    def plain(self, prompt: list[int]) -> list[int]:
+        tokens = list(prompt)
+        while len(tokens) - len(prompt) < MAX_NEW:
+            tokens.append(int(self.greedy_next(tokens)[-1]))
+            if tokens[-1] in self.eos:
+                break
+        return tokens[len(prompt) :]
+
+    def speculative(self, prompt: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+        n_draft = self.ev.num_draft
+        tokens = list(prompt) + [int(self.greedy_next(prompt)[-1])]  # the prefill's token
+        steps = []
+        while tokens[-1] not in self.eos and len(tokens) - len(prompt) < MAX_NEW:
+            a = len(tokens) - 1
+            k = min(n_draft, MAX_NEW - (len(tokens) - len(prompt)) - 1)
+            if k <= 0:
+                tokens.append(int(self.greedy_next(tokens)[-1]))
+                steps.append((a, 0, 0))
+                continue
+            drafts = self.draft(tokens, k)
+            target = self.greedy_next(tokens + drafts)[a:]  # the verifier at a .. a+k
+            n = 0
+            while n < k and drafts[n] == target[n]:
+                if target[n] in self.eos and n + 1 < k:
+                    break  # llama.cpp: a matched EOS before the last slot is the bonus
+                n += 1
+            steps.append((a, n, k))
+            for t in [*drafts[:n], int(target[n])]:
+                tokens.append(t)
+                if t in self.eos or len(tokens) - len(prompt) == MAX_NEW:
+                    break
+        return tokens[len(prompt) :], steps
+
+
+def test_speculative_loop_is_lossless_and_equals_the_walk(loop_setup):
+    from transformers import AutoTokenizer
+
+    from tests.served.fixtures import ROOT, VERIFIER
+
+    ev, argmax_tokens = loop_setup
+    loop = Loop(ev, argmax_tokens)
+    tok = AutoTokenizer.from_pretrained(VERIFIER)
+    lines = (ROOT / "configs/demo/conversations_heldout.jsonl").read_text().splitlines()
+    total = {"drafts": 0, "accepted": 0}
+    for line in lines[:PROMPTS]:
+        turns = json.loads(line)["conversations"]
+        first = next(i for i, t in enumerate(turns) if t["role"] == "assistant")
+        prompt = tok.apply_chat_template(
+            turns[:first], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        plain = loop.plain(prompt)
+        text, steps = loop.speculative(prompt)
+        assert text == plain  # (a) lossless
+
+        # (b) the evaluator's walk over that text drafts at the same anchors and accepts
+        # the same tokens, step for step.
+        row = _row(prompt + text, len(prompt), ev.settings.total_seq_len, ev.cfg)
+        _, walked = ev.row(row, 0)
+        got = list(zip(walked.context_pos.tolist(), walked.accepted.tolist(),
+                       walked.drafted.tolist()))  # fmt: skip
+        assert got == steps
+        assert walked.generated.tolist() == [len(text)]
+        total["drafts"] += sum(1 for s in steps if s[2])
+        total["accepted"] += sum(s[1] for s in steps)
+    # The drafter is trained (~0.8 tokens accepted per draft here, up to all of a draft):
+    # a walk at the wrong anchors could not agree by chance.
+    assert total["accepted"] / total["drafts"] > 0.5, total
