@@ -55,11 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--t2d", help="t2d .npy (default: t2d-<Vd>.npy in the checkpoint root)")
     e.add_argument(
         "--target",
-        choices=("vllm", "speculators", "sglang-jax"),
+        choices=("vllm", "speculators", "sglang-jax", "llama.cpp"),
         default="vllm",
         help="what the folder must load in (default vllm; speculators allows "
         "gated/rnn heads and non-causal sliding layers; sglang-jax writes its flat "
-        "qwen3 config.json layout)",
+        "qwen3 config.json layout; llama.cpp adds draft.gguf, written by llama.cpp's "
+        "converter: needs --verifier-path)",
+    )
+    e.add_argument(
+        "--gguf-outtype",
+        choices=("f32", "f16", "bf16"),
+        default="f32",
+        help="--target llama.cpp: the draft GGUF's float type (default f32: llama.cpp "
+        "rounds activations to the weight type before each matmul)",
     )
     e.add_argument("--overwrite", action="store_true")
     _add_serving_export_args(e)
@@ -82,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate a folder against vLLM's dspark loader")
     c.add_argument("folder")
-    c.add_argument("--target", choices=("vllm", "speculators", "sglang-jax"), default="vllm")
+    c.add_argument(
+        "--target", choices=("vllm", "speculators", "sglang-jax", "llama.cpp"), default="vllm"
+    )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_serving_check_args(c)
     return p
@@ -128,6 +138,26 @@ def _warm_start(args):
     )
 
 
+def _llamacpp_gguf(args):
+    """``<out>/draft.gguf`` by llama.cpp's converter (launch/llamacpp_gguf.py, the PyTorch
+    side, in a subprocess); None when it failed (its message printed)."""
+    import subprocess
+    from pathlib import Path
+
+    from dspark_jax.convert.llamacpp_rules import DRAFT_GGUF
+
+    out = Path(args.out) / DRAFT_GGUF
+    cmd = [sys.executable, "-m", "launch.llamacpp_gguf", "--verifier", args.verifier_path,
+           "--drafter", args.out, "--out", str(out), "--outtype", args.gguf_outtype]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    if done.returncode:
+        err = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+        print(f"export failed: {args.out}: the draft GGUF: "
+              f"{(err or done.stderr.splitlines() or ['?'])[-1]}", file=sys.stderr)  # fmt: skip
+        return None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.cli import guarded
 
@@ -166,6 +196,10 @@ def _main(argv: list[str]) -> int:
         if args.command == "export":
             from dspark_jax.convert.export import ExportError, export_checkpoint
 
+            if args.target == "llama.cpp" and not args.verifier_path:
+                print("export failed: --target llama.cpp needs --verifier-path (the "
+                      "verifier's HF folder: the draft GGUF takes its tokenizer)", file=sys.stderr)  # fmt: skip
+                return 2
             if args.target == "sglang-jax":
                 from dspark_jax.convert.sglang_jax_export import export_sglang_jax
 
@@ -192,6 +226,10 @@ def _main(argv: list[str]) -> int:
                 reraise_if_debug()
                 print(f"export failed: {e}", file=sys.stderr)
                 return 1
+            if args.target == "llama.cpp":
+                gguf = _llamacpp_gguf(args)
+                if gguf is None:
+                    return 1
             print(f"exported step {step} of {args.checkpoint}\n{report.format()}")
             return 0
         from dspark_jax.convert.importer import ImportFolderError, import_folder

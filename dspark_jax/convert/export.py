@@ -275,8 +275,9 @@ def export_params(
 
 
 def _local_verifier(target: str, verifier_path) -> Path | None:
-    """The verifier the vLLM check compares with: a local folder with config.json."""
-    if target != "vllm" or verifier_path is None:
+    """The verifier the vLLM or llama.cpp check compares with: a local folder with
+    config.json."""
+    if target not in ("vllm", "llama.cpp") or verifier_path is None:
         return None
     path = Path(verifier_path)
     return path if (path / CONFIG_FILE).is_file() else None
