@@ -4,7 +4,6 @@ drafter) that must be lossless and count exactly what the walk predicts."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -92,51 +91,12 @@ PROMPTS = 3
 
 
 @pytest.fixture(scope="module")
-def loop_setup(served_drafter):
-    """An Evaluator of the trained drafter with the demo verifier in the step (fp32)."""
-    from dspark_jax.data.verifier import load_verifier_tensors
-    from dspark_jax.eval import runner
-    from dspark_jax.verifier import instep
+def predictor(served_drafter):
+    """The trained drafter with the demo verifier in the step (fp32), llama.cpp's rules."""
+    from dspark_jax.eval.predict import ResponsePredictor
     from tests.served.fixtures import VERIFIER
 
-    drafter = runner.load_drafter(served_drafter, "latest")
-    cfg = runner.with_verifier_norm(drafter.cfg, VERIFIER, "auto")
-    drafter = dataclasses.replace(drafter, cfg=cfg)
-    frozen = runner.load_frozen(cfg, VERIFIER, drafter.vocab_maps[1])
-    iv = instep.build(str(VERIFIER), cfg, "float32", "float32")
-    settings = runner.EvalSettings(
-        total_seq_len=256, dtype="float32", hidden_states_dtype="float32",
-        hidden_states_backend="jax", anchors_per_call=32, max_new_tokens=MAX_NEW,
-        eos_ids=runner.verifier_eos_ids(VERIFIER),
-    )  # fmt: skip
-    ev = runner.Evaluator(drafter, frozen, settings, (iv, iv.load(None)))
-    full = load_verifier_tensors(VERIFIER)  # the whole head: the verifier's own argmax
-    head = jnp.asarray(full.lm_head).T
-    norm = jnp.asarray(full.norm)
-    eps = json.loads((VERIFIER / "config.json").read_text())["rms_norm_eps"]
-
-    @jax.jit
-    def argmax_tokens(h):  # [S, H] last layer (before the final norm) -> greedy next ids
-        x = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps) * norm
-        return jnp.argmax(jnp.dot(x, head, precision="highest"), axis=-1)
-
-    return ev, argmax_tokens
-
-
-def _row(tokens: list[int], n_prompt: int, seq: int, cfg) -> dict[str, np.ndarray]:
-    """One document (prompt, then its response supervised) in a row of ``seq`` positions;
-    zero hidden states (the in-step verifier fills them)."""
-    n = len(tokens)
-    ids = np.zeros(seq, np.int32)
-    ids[:n] = tokens
-    mask = np.zeros(seq, np.int32)
-    mask[n_prompt:n] = 1
-    doc = np.where(np.arange(seq) < n, 0, -1).astype(np.int32)
-    pos = np.where(doc >= 0, np.arange(seq), 0).astype(np.int32)
-    h = cfg.verifier_hidden_size
-    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos, "document_ids": doc,
-            "hidden_states": np.zeros((seq, cfg.num_aux_layers * h), np.float32),
-            "verifier_last_hidden_states": np.zeros((seq, h), np.float32)}  # fmt: skip
+    return ResponsePredictor(served_drafter, VERIFIER, seq_len=256, max_new_tokens=MAX_NEW)
 
 
 class Loop:
@@ -144,24 +104,10 @@ class Loop:
     the verifier (JAX, whole-row forwards) and the drafter (the evaluator's own jitted
     statistics at one anchor) on rows of the evaluator's shape."""
 
-    def __init__(self, ev, argmax_tokens):
-        self.ev, self.argmax_tokens = ev, argmax_tokens
-        self.seq = ev.settings.total_seq_len
-        self.b = ev.cfg.block_size
-        self.eos = set(ev.settings.eos_ids)
-
-    def filled(self, tokens: list[int]):
-        from dspark_jax.eval.runner import pad_row
-        from dspark_jax.model.draft import ROW_KEYS
-
-        row = pad_row(_row(tokens, 0, self.seq, self.ev.cfg), self.b)
-        one = {k: jnp.asarray(row[k])[None] for k in ROW_KEYS}
-        return {k: v[0] for k, v in self.ev._fill(self.ev.verifier[1], one).items()}
-
-    def greedy_next(self, tokens: list[int]) -> np.ndarray:
-        """The verifier's greedy token after each position of ``tokens``."""
-        h = self.filled(tokens)["verifier_last_hidden_states"]
-        return np.asarray(self.argmax_tokens(h))[: len(tokens)]
+    def __init__(self, predictor):
+        self.pr, self.ev = predictor, predictor.ev
+        self.eos = set(self.ev.settings.eos_ids)
+        self.greedy_next = predictor.greedy_next
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         """The drafter's k free-running greedy tokens from the last token (the anchor)."""
@@ -170,7 +116,7 @@ class Loop:
         anchors = np.zeros(size, np.int32)
         anchors[0] = len(tokens) - 1
         valid = np.arange(size) == 0
-        out = ev._stats(ev.params, ev.frozen, self.filled(tokens), jnp.asarray(anchors),
+        out = ev._stats(ev.params, ev.frozen, self.pr.filled(tokens), jnp.asarray(anchors),
                         jnp.asarray(valid), jax.random.key(0), ev.d2t)  # fmt: skip
         start = 0 if ev.cfg.sample_from_anchor else 1
         return [int(t) for t in np.asarray(out["draft_fr"])[0, start : start + k]]
@@ -209,13 +155,12 @@ class Loop:
         return tokens[len(prompt) :], steps
 
 
-def test_speculative_loop_is_lossless_and_equals_the_walk(loop_setup):
+def test_speculative_loop_is_lossless_and_equals_the_walk(predictor):
     from transformers import AutoTokenizer
 
     from tests.served.fixtures import ROOT, VERIFIER
 
-    ev, argmax_tokens = loop_setup
-    loop = Loop(ev, argmax_tokens)
+    loop = Loop(predictor)
     tok = AutoTokenizer.from_pretrained(VERIFIER)
     lines = (ROOT / "configs/demo/conversations_heldout.jsonl").read_text().splitlines()
     total = {"drafts": 0, "accepted": 0}
@@ -230,13 +175,13 @@ def test_speculative_loop_is_lossless_and_equals_the_walk(loop_setup):
         assert text == plain  # (a) lossless
 
         # (b) the evaluator's walk over that text drafts at the same anchors and accepts
-        # the same tokens, step for step.
-        row = _row(prompt + text, len(prompt), ev.settings.total_seq_len, ev.cfg)
-        _, walked = ev.row(row, 0)
-        got = list(zip(walked.context_pos.tolist(), walked.accepted.tolist(),
-                       walked.drafted.tolist()))  # fmt: skip
+        # the same tokens, step for step; the text is the verifier's argmax throughout.
+        pred = predictor.predict(prompt, text)
+        got = list(zip(pred.steps.context_pos.tolist(), pred.steps.accepted.tolist(),
+                       pred.steps.drafted.tolist()))  # fmt: skip
         assert got == steps
-        assert walked.generated.tolist() == [len(text)]
+        assert pred.steps.generated.tolist() == [len(text)]
+        assert pred.mismatches == [] and pred.min_margin >= 0
         total["drafts"] += sum(1 for s in steps if s[2])
         total["accepted"] += sum(s[1] for s in steps)
     # The drafter is trained (~0.8 tokens accepted per draft here, up to all of a draft):

@@ -1,0 +1,138 @@
+"""The served-equivalent prediction for given responses (token ids), and how close to a
+tie the verifier was at each of their tokens.
+
+``bench/served_acceptance.py`` and the served tests send prompts to a real engine (greedy)
+and get its responses back as token ids; :class:`ResponsePredictor` walks each response as
+the engine should have (:mod:`dspark_jax.eval.served`, the in-step verifier in fp32, no
+hidden-state files) and checks that the response is the verifier's greedy continuation:
+at every response position, the verifier's own argmax (full vocabulary) and its top-2
+logit margin. A served token other than the fp32 argmax at a margin far above the engine's
+rounding is a real discrepancy (layout, rope, vocab map...), one at a near-tie is the
+engine's floating point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.config import DSparkConfig
+from dspark_jax.data.verifier import load_verifier_tensors
+from dspark_jax.eval import runner, served
+from dspark_jax.model.draft import ROW_KEYS
+from dspark_jax.verifier import instep
+
+
+def document_row(tokens, n_prompt: int, seq: int, cfg: DSparkConfig) -> dict[str, np.ndarray]:
+    """One document (prompt, then its response supervised) in a row of ``seq`` positions,
+    zero hidden states (the in-step verifier fills them)."""
+    n = len(tokens)
+    if n > seq:
+        raise ValueError(f"a prompt and response of {n} tokens do not fit {seq}")
+    ids = np.zeros(seq, np.int32)
+    ids[:n] = tokens
+    mask = np.zeros(seq, np.int32)
+    mask[n_prompt:n] = 1
+    doc = np.where(np.arange(seq) < n, 0, -1).astype(np.int32)
+    pos = np.where(doc >= 0, np.arange(seq), 0).astype(np.int32)
+    h = cfg.verifier_hidden_size
+    return {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "position_ids": pos,
+        "document_ids": doc,
+        "hidden_states": np.zeros((seq, cfg.num_aux_layers * h), np.float32),
+        "verifier_last_hidden_states": np.zeros((seq, h), np.float32),
+    }
+
+
+@dataclasses.dataclass
+class Prediction:
+    steps: served.ServedSteps  # the walk over the response
+    counters: dict  # served.counters of its draft steps
+    mismatches: list[dict]  # response positions whose token is not the fp32 argmax
+    min_margin: float  # the smallest top-2 logit margin over the response's tokens
+
+
+class ResponsePredictor:
+    """A drafter (checkpoint or speculators folder) and its verifier, in fp32."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        verifier: str | Path,
+        *,
+        seq_len: int,
+        step: int | str = "latest",
+        engine: str = "llama.cpp",
+        max_new_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
+    ):
+        verifier = Path(verifier)
+        drafter = runner.load_drafter(checkpoint, step)
+        cfg = runner.with_verifier_norm(drafter.cfg, verifier, "auto")
+        drafter = dataclasses.replace(drafter, cfg=cfg)
+        t2d = None if drafter.vocab_maps is None else drafter.vocab_maps[1]
+        frozen = runner.load_frozen(cfg, verifier, t2d)
+        iv = instep.build(str(verifier), cfg, "float32", "float32")
+        settings = runner.EvalSettings(
+            total_seq_len=seq_len, dtype="float32", hidden_states_dtype="float32",
+            hidden_states_backend=instep.BACKEND, anchors_per_call=64,
+            num_draft_tokens=num_draft_tokens, served_engine=engine,
+            max_new_tokens=max_new_tokens, eos_ids=runner.verifier_eos_ids(verifier),
+        )  # fmt: skip
+        self.ev = runner.Evaluator(drafter, frozen, settings, (iv, iv.load(None)))
+        self.cfg, self.seq = cfg, seq_len
+        full = load_verifier_tensors(verifier)  # the whole head: the verifier's own argmax
+        head, norm = jnp.asarray(full.lm_head, jnp.float32).T, jnp.asarray(full.norm)
+        eps = iv.cfg.rms_norm_eps
+        gemma = cfg.verifier_norm_style == "gemma"
+
+        @jax.jit
+        def top2(h):  # [S, H] last layer, before the final norm -> argmax, top-2 margin
+            x = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+            x = x * ((1.0 + norm) if gemma else norm)
+            logits = jnp.dot(x, head, precision=jax.lax.Precision.HIGHEST)
+            best, idx = jax.lax.top_k(logits, 2)
+            return idx[:, 0], best[:, 0] - best[:, 1], logits
+
+        self._top2 = top2
+
+    def filled(self, tokens, n_prompt: int = 0) -> dict[str, jax.Array]:
+        """The row of ``tokens`` (padded like the evaluator's) with its hidden states."""
+        row = runner.pad_row(
+            document_row(tokens, n_prompt, self.seq, self.cfg), self.cfg.block_size
+        )
+        one = {k: jnp.asarray(row[k])[None] for k in ROW_KEYS}
+        return {k: v[0] for k, v in self.ev._fill(self.ev.verifier[1], one).items()}
+
+    def greedy_next(self, tokens) -> np.ndarray:
+        """The verifier's greedy token after each position of ``tokens``."""
+        idx, _, _ = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
+        return np.asarray(idx)[: len(tokens)]
+
+    def predict(self, prompt, response) -> Prediction:
+        """The walk over ``response`` (the engine's tokens, its end-of-sequence token
+        included when it stopped on one) after ``prompt``."""
+        tokens = [*prompt, *response]
+        row = document_row(tokens, len(prompt), self.seq, self.cfg)
+        _, steps = self.ev.row(row, 0)
+        idx, margin, logits = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
+        idx, margin = np.asarray(idx), np.asarray(margin)
+        mismatches = []
+        for t in range(len(prompt), len(tokens)):
+            if tokens[t] != idx[t - 1]:
+                gap = float(logits[t - 1, idx[t - 1]] - logits[t - 1, tokens[t]])
+                mismatches.append({"position": t - len(prompt), "served": int(tokens[t]),
+                                   "argmax": int(idx[t - 1]), "logit_gap": gap})  # fmt: skip
+        span = margin[len(prompt) - 1 : len(tokens) - 1]
+        return Prediction(
+            steps,
+            served.counters(steps.accepted, steps.drafted, self.ev.num_draft),
+            mismatches,
+            float(span.min()) if span.size else float("nan"),
+        )
