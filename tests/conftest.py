@@ -9,6 +9,8 @@ rules that keep a broken install from passing with fewer tests.
   compiles for a TPU topology: libtpu, the ``tpu`` extra), a skipped ``cuda_compile``
   test (compiles for GPUs: the ``cuda-compile`` extra), a skipped ``vllm`` test
   (vLLM 0.33.0 itself, in the separate environment named by ``DSPARK_VLLM_PYTHON``),
+  a skipped ``served`` test (llama.cpp's server, built from the pinned sdist and named
+  by ``DSPARK_LLAMA_SERVER``),
   and a test module skipped whole: CI installs every extra, so a skip there means a
   broken install.
 * A skip for want of speculators / hs_connectors in a test *not* marked
@@ -106,6 +108,11 @@ def _item_skip_is_failure(item: pytest.Item, reason: str) -> str | None:
         return (
             "a test marked 'vllm' was skipped under CI=true (.ci/run installs vLLM 0.33.0 "
             "in its own venv and sets DSPARK_VLLM_PYTHON)"
+        )
+    if CI and item.get_closest_marker("served"):
+        return (
+            "a test marked 'served' was skipped under CI=true (.ci/run builds llama-server "
+            "and names it in DSPARK_LLAMA_SERVER)"
         )
     if CI and item.get_closest_marker("mooncake"):
         # the wheel (dev extra) always installs; only its system library may be missing

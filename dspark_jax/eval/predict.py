@@ -9,6 +9,14 @@ at every response position, the verifier's own argmax (full vocabulary) and its 
 logit margin. A served token other than the fp32 argmax at a margin far above the engine's
 rounding is a real discrepancy (layout, rope, vocab map...), one at a near-tie is the
 engine's floating point.
+
+The near-tie bound: two fp32 forwards of the same weights that differ only in summation
+order differ in a logit by at most about ``L * K * u * s`` (``u = 2**-24``, ``K`` the longest
+dot product of a layer, ``max(hidden, intermediate)``, ``L`` layers each adding its own
+rounding on the way, ``s`` the largest |logit| at that position: the scale the last dot
+product's rounding is relative to). A served token whose fp32 logit is below the argmax's
+by at most that is the engine's rounding; further is a real discrepancy. An engine in bf16
+or f16 rounds at ``2**-8`` or ``2**-11`` instead of ``2**-24`` (``unit_roundoff``).
 """
 
 from __future__ import annotations
@@ -71,10 +79,13 @@ class ResponsePredictor:
         engine: str = "llama.cpp",
         max_new_tokens: int | None = None,
         num_draft_tokens: int | None = None,
+        unit_roundoff: float = 2.0**-24,
     ):
+        """``unit_roundoff``: the engine verifier's (fp32 by default; the near-tie bound)."""
         verifier = Path(verifier)
         drafter = runner.load_drafter(checkpoint, step)
         cfg = runner.with_verifier_norm(drafter.cfg, verifier, "auto")
+        cfg, self.served_as = served.as_served(cfg, served.ENGINES[engine])
         drafter = dataclasses.replace(drafter, cfg=cfg)
         t2d = None if drafter.vocab_maps is None else drafter.vocab_maps[1]
         frozen = runner.load_frozen(cfg, verifier, t2d)
@@ -101,6 +112,9 @@ class ResponsePredictor:
             return idx[:, 0], best[:, 0] - best[:, 1], logits
 
         self._top2 = top2
+        v = iv.cfg
+        longest = max(v.hidden_size, v.intermediate_size or 0, v.moe_intermediate_size or 0)
+        self.tie_bound = v.num_hidden_layers * longest * unit_roundoff  # x max |logit|
 
     def filled(self, tokens, n_prompt: int = 0) -> dict[str, jax.Array]:
         """The row of ``tokens`` (padded like the evaluator's) with its hidden states."""
@@ -127,8 +141,10 @@ class ResponsePredictor:
         for t in range(len(prompt), len(tokens)):
             if tokens[t] != idx[t - 1]:
                 gap = float(logits[t - 1, idx[t - 1]] - logits[t - 1, tokens[t]])
+                bound = self.tie_bound * float(jnp.abs(logits[t - 1]).max())
                 mismatches.append({"position": t - len(prompt), "served": int(tokens[t]),
-                                   "argmax": int(idx[t - 1]), "logit_gap": gap})  # fmt: skip
+                                   "argmax": int(idx[t - 1]), "logit_gap": gap,
+                                   "bound": bound, "near_tie": gap <= bound})  # fmt: skip
         span = margin[len(prompt) - 1 : len(tokens) - 1]
         return Prediction(
             steps,

@@ -179,7 +179,7 @@ class EvalSettings:
     hidden_states_backend: str = "file"  # "jax": the verifier runs per row (no files)
     num_draft_tokens: int | None = None  # the engine's draft tokens; None: the drafter's
     served: bool = True  # the served-equivalent walk (drafts at every supervised position)
-    served_engine: str = "llama.cpp"  # whose end-of-response rules (served.ENGINES)
+    served_engine: str = "vllm"  # whose end-of-response rules (served.ENGINES)
     max_new_tokens: int | None = None  # the served requests' token budget
     eos_ids: tuple[int, ...] = ()  # the verifier's end-of-sequence ids
 
@@ -457,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-served", action="store_true",
                    help="skip the served-equivalent walk (it drafts at every supervised "
                    "position, whatever --num-anchors samples for the tables)")  # fmt: skip
-    g.add_argument("--served-engine", default="llama.cpp", choices=tuple(served.ENGINES),
-                   help="whose end-of-response rules the served-equivalent walk follows")  # fmt: skip
+    g.add_argument("--served-engine", default="vllm", choices=tuple(served.ENGINES),
+                   help="whose rules the served-equivalent walk follows (end of a response; "
+                   "llama.cpp: sliding-window draft layers bidirectional in the block)")  # fmt: skip
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="the served requests' token budget (max_tokens), for the walk")  # fmt: skip
     g.add_argument("--output-dir", default="eval_results")
@@ -536,6 +537,12 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise EvalError(f"--num-draft-tokens must be in [1, {cfg.speculative_tokens}]")
     verifier = _resolve_verifier(args, cfg)
     cfg = with_verifier_norm(cfg, verifier, args.verifier_norm_style)
+    if not args.no_served:
+        cfg, changed = served.as_served(cfg, served.ENGINES[args.served_engine])
+        if changed:
+            log.warning(
+                "--served-engine %s: %s (every table of this run)", args.served_engine, changed
+            )
     drafter = dataclasses.replace(drafter, cfg=cfg)
     frozen = load_frozen(
         cfg, verifier, None if drafter.vocab_maps is None else drafter.vocab_maps[1]

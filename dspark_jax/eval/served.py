@@ -26,7 +26,8 @@ over every verifier pass, the prefill's included).
 
 The end of a response (``EngineRules``; file:line in docs/engines.md):
 
-* llama.cpp cuts each draft to ``min(N, remaining - 1)`` tokens under a token budget (no
+* llama.cpp runs sliding-window draft layers bidirectional inside the block
+  (:func:`as_served`), cuts each draft to ``min(N, remaining - 1)`` tokens under a token budget (no
   draft with one token left: a plain decode step, not counted), and an end-of-sequence
   token matched *before* the draft's last slot ends the step as its bonus, not as an
   accepted token. Both are exact from the text, so its walk is exact.
@@ -101,12 +102,31 @@ class EngineRules:
     name: str
     cap_to_budget: bool  # drafts cut to the budget's remaining tokens - 1
     eos_is_bonus: bool  # an end-of-sequence token matched before the last slot: the bonus
+    sliding_non_causal: bool  # sliding-window draft layers bidirectional inside the block
 
 
 ENGINES = {
-    "llama.cpp": EngineRules("llama.cpp", cap_to_budget=True, eos_is_bonus=True),
-    "vllm": EngineRules("vllm", cap_to_budget=False, eos_is_bonus=False),
+    "llama.cpp": EngineRules(
+        "llama.cpp", cap_to_budget=True, eos_is_bonus=True, sliding_non_causal=True
+    ),
+    "vllm": EngineRules("vllm", cap_to_budget=False, eos_is_bonus=False, sliding_non_causal=False),
 }
+
+
+def as_served(cfg, rules: EngineRules):
+    """The drafter config as ``rules``' engine runs it: llama.cpp runs every draft layer
+    non-causal (``llama_set_causal_attn(ctx_dft, false)``), so a sliding-window layer
+    trained causal inside its block is served bidirectional there (its window is also
+    measured from each query, not from the anchor: the same while the window covers the
+    context). Returns (config, what changed or None)."""
+    sliding = any(cfg.layer_sliding_window(i) is not None for i in range(cfg.num_hidden_layers))
+    if rules.sliding_non_causal and sliding and not cfg.sliding_window_non_causal:
+        why = (
+            f"{rules.name} runs the sliding-window draft layers non-causal inside the block "
+            "(trained causal): the walk drafts as it does"
+        )
+        return cfg.replace(sliding_window_non_causal=True), why
+    return cfg, None
 
 
 def walk(

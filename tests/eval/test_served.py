@@ -155,6 +155,7 @@ class Loop:
         return tokens[len(prompt) :], steps
 
 
+@pytest.mark.served  # shares the trained drafter with tests/served (CI runs them together)
 def test_speculative_loop_is_lossless_and_equals_the_walk(predictor):
     from transformers import AutoTokenizer
 
