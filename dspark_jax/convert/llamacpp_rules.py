@@ -149,11 +149,20 @@ def check(d: dict, headers: dict, *, verifier: str | Path | None = None) -> Find
         )
     types = tl.get("layer_types") or []
     if "sliding_attention" in types or (tl.get("use_sliding_window") and tl.get("sliding_window")):
-        f.warn(
-            "sliding-window",
-            "sliding-window draft layers run non-causal with the window measured from each "
-            "query in llama.cpp (training and vLLM: from the anchor); its acceptance differs",
-        )
+        if not d.get("sliding_window_non_causal"):
+            f.warn(
+                "sliding-window",
+                "sliding-window draft layers trained causal inside the block run bidirectional "
+                "in llama.cpp (every draft layer is non-causal there; vLLM keeps them causal): "
+                "it serves another drafter (python -m dspark_jax.eval --served-engine llama.cpp "
+                "predicts it)",
+            )
+        else:
+            f.note(
+                "sliding-window",
+                f"llama.cpp measures the sliding window ({tl.get('sliding_window')}) from each "
+                "query, not from the anchor: the same while the context fits the window",
+            )
     rope = tl.get("rope_parameters") or tl.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
     if rope_type not in ROPE_CARRIED:

@@ -8,15 +8,20 @@ hidden-state files) and checks that the response is the verifier's greedy contin
 at every response position, the verifier's own argmax (full vocabulary) and its top-2
 logit margin. A served token other than the fp32 argmax at a margin far above the engine's
 rounding is a real discrepancy (layout, rope, vocab map...), one at a near-tie is the
-engine's floating point.
+engine's floating point. The same holds for the drafter's argmax at each step
+(``min_draft_margin``): an engine's counters can differ from the walk's at a step whose
+deciding draft positions are that close to a tie.
 
-The near-tie bound: two fp32 forwards of the same weights that differ only in summation
-order differ in a logit by at most about ``L * K * u * s`` (``u = 2**-24``, ``K`` the longest
-dot product of a layer, ``max(hidden, intermediate)``, ``L`` layers each adding its own
-rounding on the way, ``s`` the largest |logit| at that position: the scale the last dot
-product's rounding is relative to). A served token whose fp32 logit is below the argmax's
-by at most that is the engine's rounding; further is a real discrepancy. An engine in bf16
-or f16 rounds at ``2**-8`` or ``2**-11`` instead of ``2**-24`` (``unit_roundoff``).
+The near-tie bound: a dot product of length K rounded in another order differs by at most
+``K * u * sum_i |x_i w_i|`` (``u = 2**-24``), and ``sum_i |x_i w_i| <= |x| |w|``
+(Cauchy-Schwarz). Two fp32 forwards of the same weights then differ in the gap between two
+logits by about ``L * K * u * |x| (|w_a| + |w_b|)``: ``x`` the normed last hidden state at
+that position, ``w_a``, ``w_b`` the two tokens' head rows, ``K`` the longest dot product of a
+layer (``max(hidden, intermediate)``) and ``L`` layers each adding its rounding on the way
+(a first-order estimate, not a proof: the layers' errors are taken to add, not compound).
+A served token whose fp32 logit is below the argmax's by at most that is the engine's
+rounding; further is a real discrepancy. An engine in bf16 or f16 rounds at ``2**-8`` or
+``2**-11`` instead of ``2**-24`` (``unit_roundoff``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Prediction:
     counters: dict  # served.counters of its draft steps
     mismatches: list[dict]  # response positions whose token is not the fp32 argmax
     min_margin: float  # the smallest top-2 logit margin over the response's tokens
+    min_draft_margin: float  # the drafter's smallest top-2 margin where it decided a step
 
 
 class ResponsePredictor:
@@ -109,12 +115,17 @@ class ResponsePredictor:
             x = x * ((1.0 + norm) if gemma else norm)
             logits = jnp.dot(x, head, precision=jax.lax.Precision.HIGHEST)
             best, idx = jax.lax.top_k(logits, 2)
-            return idx[:, 0], best[:, 0] - best[:, 1], logits
+            return idx[:, 0], best[:, 0] - best[:, 1], logits, jnp.linalg.norm(x, axis=-1)
 
         self._top2 = top2
+        self._row_norms = np.linalg.norm(np.asarray(full.lm_head, np.float32), axis=-1)
         v = iv.cfg
         longest = max(v.hidden_size, v.intermediate_size or 0, v.moe_intermediate_size or 0)
-        self.tie_bound = v.num_hidden_layers * longest * unit_roundoff  # x max |logit|
+        self.tie_bound = v.num_hidden_layers * longest * unit_roundoff  # x |x| (|w_a| + |w_b|)
+        # The drafter's: its layers, fc and head the same way, at a stated logit scale of
+        # 32 (its logits are a normed state times the verifier head's rows).
+        widest = max(cfg.num_aux_layers * cfg.verifier_hidden_size, cfg.intermediate_size)
+        self.draft_tie_bound = (cfg.num_hidden_layers + 2) * widest * unit_roundoff * 32
 
     def filled(self, tokens, n_prompt: int = 0) -> dict[str, jax.Array]:
         """The row of ``tokens`` (padded like the evaluator's) with its hidden states."""
@@ -126,7 +137,7 @@ class ResponsePredictor:
 
     def greedy_next(self, tokens) -> np.ndarray:
         """The verifier's greedy token after each position of ``tokens``."""
-        idx, _, _ = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
+        idx = self._top2(self.filled(tokens)["verifier_last_hidden_states"])[0]
         return np.asarray(idx)[: len(tokens)]
 
     def predict(self, prompt, response) -> Prediction:
@@ -135,13 +146,14 @@ class ResponsePredictor:
         tokens = [*prompt, *response]
         row = document_row(tokens, len(prompt), self.seq, self.cfg)
         _, steps = self.ev.row(row, 0)
-        idx, margin, logits = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
-        idx, margin = np.asarray(idx), np.asarray(margin)
+        idx, margin, logits, x_norm = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
+        idx, margin, x_norm = np.asarray(idx), np.asarray(margin), np.asarray(x_norm)
         mismatches = []
         for t in range(len(prompt), len(tokens)):
             if tokens[t] != idx[t - 1]:
                 gap = float(logits[t - 1, idx[t - 1]] - logits[t - 1, tokens[t]])
-                bound = self.tie_bound * float(jnp.abs(logits[t - 1]).max())
+                rows = self._row_norms[idx[t - 1]] + self._row_norms[tokens[t]]
+                bound = self.tie_bound * float(x_norm[t - 1] * rows)
                 mismatches.append({"position": t - len(prompt), "served": int(tokens[t]),
                                    "argmax": int(idx[t - 1]), "logit_gap": gap,
                                    "bound": bound, "near_tie": gap <= bound})  # fmt: skip
@@ -151,4 +163,5 @@ class ResponsePredictor:
             served.counters(steps.accepted, steps.drafted, self.ev.num_draft),
             mismatches,
             float(span.min()) if span.size else float("nan"),
+            float(steps.margin.min()) if steps.margin.size else float("inf"),
         )

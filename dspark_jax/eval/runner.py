@@ -62,6 +62,8 @@ log = logging.getLogger("dspark_jax.eval")
 ANCHOR_RULES = ("train", "full-block")
 # A row's padding (outside every document) so the blocks of its last B positions exist.
 _PAD = {"document_ids": -1}
+# Statistics only the served walk reads (not in the tables).
+_WALK_ONLY = ("draft_fr", "draft_margin_fr")
 # The row arrays the served walk reads (served.row_steps' order).
 _WALK_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
 TEMPERATURES_FILE = "confidence_temperatures.json"
@@ -274,15 +276,16 @@ class Evaluator:
         if s.served:
             start = 0 if self.cfg.sample_from_anchor else 1
             drafts = merged["draft_fr"][:, start : start + self.num_draft]
+            margins = merged["draft_margin_fr"][:, start : start + self.num_draft]
             steps = served.row_steps(
-                drafts, anchors, *(np.asarray(row[k]) for k in _WALK_KEYS),
+                drafts, anchors, *(np.asarray(row[k]) for k in _WALK_KEYS), margins=margins,
                 eos_ids=s.eos_ids, max_new_tokens=s.max_new_tokens,
                 rules=served.ENGINES[s.served_engine],
             )  # fmt: skip
         keep = np.isin(anchors, chosen)
         if not keep.any():
             return None, steps
-        merged = {k: v[keep] for k, v in merged.items() if k != "draft_fr"}
+        merged = {k: v[keep] for k, v in merged.items() if k not in _WALK_ONLY}
         merged["row"] = np.full(int(keep.sum()), row_index, np.int64)
         return merged, steps
 

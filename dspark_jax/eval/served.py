@@ -177,11 +177,12 @@ class ServedSteps:
     context_pos: np.ndarray  # [steps] the anchor's position in its document
     request: np.ndarray  # [steps] response index
     generated: np.ndarray  # [responses] int
+    margin: np.ndarray | None = None  # [steps] the drafter's smallest deciding top-2 margin
 
     @classmethod
     def empty(cls) -> ServedSteps:
         z = np.zeros(0, np.int64)
-        return cls(z, z, z, z, z)
+        return cls(z, z, z, z, z, np.zeros(0))
 
     @classmethod
     def concat(cls, parts: Sequence[ServedSteps]) -> ServedSteps:
@@ -191,9 +192,10 @@ class ServedSteps:
             offset += p.generated.shape[0]
         if not out:
             return cls.empty()
-        return cls(
-            *(np.concatenate([getattr(p, f.name) for p in out]) for f in dataclasses.fields(cls))
-        )
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if any(p.margin is None for p in out):
+            out = [dataclasses.replace(p, margin=np.full(p.accepted.shape, np.inf)) for p in out]
+        return cls(*(np.concatenate([getattr(p, f) for p in out]) for f in fields))
 
 
 def row_steps(
@@ -207,6 +209,7 @@ def row_steps(
     eos_ids: Sequence[int] = (),
     max_new_tokens: int | None = None,
     rules: EngineRules = ENGINES["llama.cpp"],
+    margins: np.ndarray | None = None,
 ) -> ServedSteps:
     """The walk over every response of one row. ``anchors`` must hold every supervised
     position of the row (each response's anchors), ``draft_ids`` their drafts [A, N].
@@ -214,6 +217,9 @@ def row_steps(
     A response whose last token is in ``eos_ids`` ended on it; one longer than
     ``max_new_tokens`` is cut to it (the engine stops there; a served response of exactly
     the budget gets an end-of-sequence token from the chat template, which this drops).
+    ``margins`` [A, N]: the drafter's top-2 logit margin at each draft position; each step
+    records the smallest over the positions that decided it (its accepted ones and the
+    first rejected): an engine's rounding can change the step only there.
     """
     num_draft = draft_ids.shape[1]
     n_at = np.zeros(input_ids.shape[0], np.int64)
@@ -221,7 +227,10 @@ def row_steps(
     have = np.zeros(input_ids.shape[0], bool)
     have[anchors] = True
     eos = np.asarray(list(eos_ids), np.int64)
-    acc, drafted, ctx, req, gen = [], [], [], [], []
+    margin_at = np.full((input_ids.shape[0], num_draft), np.inf)
+    if margins is not None:
+        margin_at[anchors] = margins
+    acc, drafted, ctx, req, gen, tie = [], [], [], [], [], []
     for r, (s, e) in enumerate(response_spans(loss_mask, document_ids)):
         if max_new_tokens is not None and e - s + 1 > max_new_tokens:
             e, ends = s + max_new_tokens - 1, False
@@ -237,10 +246,14 @@ def row_steps(
                 raise ValueError(f"served walk: no draft at anchor {a} (response {s}..{e})")
             acc.append(n)
             drafted.append(k)
+            tie.append(float(margin_at[a, : min(n + 1, k)].min()) if k else np.inf)
             ctx.append(int(position_ids[a]))
             req.append(r)
     as_int = lambda v: np.asarray(v, np.int64)  # noqa: E731
-    return ServedSteps(as_int(acc), as_int(drafted), as_int(ctx), as_int(req), as_int(gen))
+    return ServedSteps(
+        as_int(acc), as_int(drafted), as_int(ctx), as_int(req), as_int(gen),
+        np.asarray(tie, np.float64),
+    )  # fmt: skip
 
 
 def counters(accepted: np.ndarray, drafted: np.ndarray, num_draft: int) -> dict:

@@ -56,6 +56,7 @@ STAT_KEYS = (
     "accept_fr",  # [A, B] f32
     "greedy_fr",  # [A, B] bool
     "draft_fr",  # [A, B] int32: the free-running greedy token, verifier ids (eval/served.py)
+    "draft_margin_fr",  # [A, B] f32: its logit's lead over the runner-up (near-ties)
     "conf_tf",  # [A, B] f32 logits (absent without a confidence head)
     "conf_fr_sampled",
     "conf_fr_greedy",
@@ -131,7 +132,9 @@ def _free_running_chunk(
         state_g, logq_g, conf_g = path(prev_g, state_g, h_k, base)
         greedy = jnp.argmax(logq_g, axis=-1)
         drafted = to_verifier_ids(greedy)
-        out = {"accept_fr": accept, "greedy_fr": greedy == target, "draft_fr": drafted}
+        top2 = jax.lax.top_k(logq_g, 2)[0]
+        out = {"accept_fr": accept, "greedy_fr": greedy == target, "draft_fr": drafted,
+               "draft_margin_fr": top2[:, 0] - top2[:, 1]}  # fmt: skip
         if conf_s is not None:
             out["conf_fr_sampled"], out["conf_fr_greedy"] = conf_s, conf_g
         carry = (to_verifier_ids(drawn), drafted, state_s, state_g, key)
@@ -145,6 +148,15 @@ def _free_running_chunk(
     )
     _, ys = jax.lax.scan(step, (prev0, prev0, state0, state0, key), xs)
     return {name: v.swapaxes(0, 1) for name, v in ys.items()}
+
+
+def _greedy_margin(hidden: jax.Array, lm_head: jax.Array, chunk: int) -> jax.Array:
+    """[Q] the top logit's lead over the runner-up, ``chunk`` slots at a time."""
+    q = hidden.shape[0]
+    n = -(-q // chunk)
+    x = jnp.pad(hidden, ((0, n * chunk - q), (0, 0))).reshape(n, chunk, -1)
+    top = jax.lax.map(lambda h: jax.lax.top_k(_dot(h, lm_head), 2)[0], x).reshape(-1, 2)[:q]
+    return top[:, 0] - top[:, 1]
 
 
 def slot_statistics(
@@ -225,6 +237,9 @@ def slot_statistics(
         pred = values["pred_ids"]
         pred = pred if d2t is None else pred + d2t[pred]
         out["draft_fr"] = pred.astype(teacher_prev.dtype).reshape(num, block)
+        out["draft_margin_fr"] = _greedy_margin(flat(hidden), lm_head, anchor_chunk).reshape(
+            num, block
+        )
         if conf_tf is not None:
             out["conf_fr_sampled"] = out["conf_fr_greedy"] = out["conf_tf"]
         return out

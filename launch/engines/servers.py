@@ -46,20 +46,21 @@ def http(url: str, body: dict | None = None, timeout: float = 600.0) -> bytes:
 def spec_counts(text: str, engine: str) -> dict:
     """The speculative-decoding counters in a ``/metrics`` text (summed over labels but
     ``position``): ``{"drafts", "draft_tokens", "accepted": int, "accepted_per_pos": [int]}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     prefix = PREFIX[engine] + "spec_decode_num_"
     totals = dict.fromkeys(COUNTERS, 0.0)
     per_pos: dict[int, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(prefix) or "_created" in line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name, _, labels = name_labels.partition("{")
-        name = name[len(prefix) :].removesuffix("_total")
-        if name in totals:
-            totals[name] += float(value)
-        elif name == "accepted_tokens_per_pos":
-            pos = int(labels.split('position="')[1].split('"')[0])
-            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not (s.name.startswith(prefix) and s.name.endswith("_total")):
+                continue  # other metrics, and the counters' _created timestamps
+            name = s.name[len(prefix) : -len("_total")]
+            if name in totals:
+                totals[name] += s.value
+            elif name == "accepted_tokens_per_pos":
+                pos = int(s.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + s.value
     n = max(per_pos) + 1 if per_pos else 0
     return {
         "drafts": round(totals["drafts"]),

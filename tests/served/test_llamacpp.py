@@ -54,7 +54,7 @@ def test_llamacpp_serves_what_the_walk_predicts(served_drafter, llama_server, tm
     total_served, total_pred = None, {"drafts": 0, "accepted": 0}
     with servers.start_llamacpp(tmp_path / "v.gguf", export / DRAFT_GGUF, n,
                                 tmp_path / "server.log", binary=llama_server,
-                                extra=["-ctkd", "f32", "-ctvd", "f32"]) as server:  # fmt: skip
+                                extra=["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]) as server:  # fmt: skip
         start = server.metrics()
         for line in lines[:PROMPTS]:
             turns = json.loads(line)["conversations"]
