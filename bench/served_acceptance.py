@@ -146,7 +146,7 @@ def run(args) -> dict:
         if server.process is not None:
             server.stop()
 
-    seq = max(len(p) + len(r["tokens"]) for p, r in zip(ids, responses))
+    seq = max(len(p) + len(r["tokens"]) for p, r in zip(ids, responses)) + n_draft + 1
     predictor = ResponsePredictor(args.drafter, args.verifier, seq_len=-(-seq // 128) * 128,
                                   engine=engine, max_new_tokens=args.max_tokens)  # fmt: skip
     eos = set(predictor.ev.settings.eos_ids)

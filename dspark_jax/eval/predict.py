@@ -142,10 +142,16 @@ class ResponsePredictor:
 
     def predict(self, prompt, response) -> Prediction:
         """The walk over ``response`` (the engine's tokens, its end-of-sequence token
-        included when it stopped on one) after ``prompt``."""
+        included when it stopped on one) after ``prompt``. For an engine that counts draft
+        tokens accepted past a response's end (vLLM), the verifier's greedy continuation
+        past it (one draft's worth) is computed and counted as the engine does."""
         tokens = [*prompt, *response]
-        row = document_row(tokens, len(prompt), self.seq, self.cfg)
-        _, steps = self.ev.row(row, 0)
+        ext = []  # the verifier's greedy continuation past the end, for engines that count it
+        if served.ENGINES[self.ev.settings.served_engine].counts_past_end:
+            for _ in range(self.ev.num_draft):
+                ext.append(int(self.greedy_next([*tokens, *ext])[-1]))
+        row = document_row([*tokens, *ext], len(prompt), self.seq, self.cfg)
+        _, steps = self.ev.row(row, 0, past_end=len(ext))
         idx, margin, logits, x_norm = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
         idx, margin, x_norm = np.asarray(idx), np.asarray(margin), np.asarray(x_norm)
         mismatches = []

@@ -237,7 +237,7 @@ class Evaluator:
         self._stats = jax.jit(stats)
 
     def row(
-        self, row: dict[str, np.ndarray], row_index: int
+        self, row: dict[str, np.ndarray], row_index: int, past_end: int = 0
     ) -> tuple[dict[str, np.ndarray] | None, served.ServedSteps]:
         """Statistics of the chosen anchors of one packed row (host arrays, or None when
         it has none) and the served-equivalent walk over its responses.
@@ -280,7 +280,7 @@ class Evaluator:
             steps = served.row_steps(
                 drafts, anchors, *(np.asarray(row[k]) for k in _WALK_KEYS), margins=margins,
                 eos_ids=s.eos_ids, max_new_tokens=s.max_new_tokens,
-                rules=served.ENGINES[s.served_engine],
+                rules=served.ENGINES[s.served_engine], past_end=past_end,
             )  # fmt: skip
         keep = np.isin(anchors, chosen)
         if not keep.any():

@@ -33,8 +33,10 @@ The end of a response (``EngineRules``; file:line in docs/engines.md):
   accepted token. Both are exact from the text, so its walk is exact.
 * vLLM drafts ``N`` tokens whatever remains and counts what the verifier accepts past
   the response's end (after its end-of-sequence token or beyond the budget) before it
-  truncates the output. Those tokens are not in the text: the walk counts them as
-  rejected, a lower bound, off by at most ``N`` accepted tokens per response.
+  truncates the output. Those tokens are not in a dataset's text: there the walk counts
+  them as rejected, a lower bound, off by at most ``N`` accepted tokens per response;
+  given the verifier's greedy continuation past each end (``past_end``, what
+  :mod:`dspark_jax.eval.predict` computes for an engine's responses), it counts them too.
 """
 
 from __future__ import annotations
@@ -103,13 +105,24 @@ class EngineRules:
     cap_to_budget: bool  # drafts cut to the budget's remaining tokens - 1
     eos_is_bonus: bool  # an end-of-sequence token matched before the last slot: the bonus
     sliding_non_causal: bool  # sliding-window draft layers bidirectional inside the block
+    counts_past_end: bool  # draft tokens accepted past the response's end are counted
 
 
 ENGINES = {
     "llama.cpp": EngineRules(
-        "llama.cpp", cap_to_budget=True, eos_is_bonus=True, sliding_non_causal=True
-    ),
-    "vllm": EngineRules("vllm", cap_to_budget=False, eos_is_bonus=False, sliding_non_causal=False),
+        "llama.cpp",
+        cap_to_budget=True,
+        eos_is_bonus=True,
+        sliding_non_causal=True,
+        counts_past_end=False,
+    ),  # fmt: skip
+    "vllm": EngineRules(
+        "vllm",
+        cap_to_budget=False,
+        eos_is_bonus=False,
+        sliding_non_causal=False,
+        counts_past_end=True,
+    ),  # fmt: skip
 }
 
 
@@ -137,6 +150,7 @@ def walk(
     ends_with_eos: bool = True,
     max_new_tokens: int | None = None,
     rules: EngineRules = ENGINES["llama.cpp"],
+    beyond: int = 0,
 ) -> list[tuple[int, int, int]]:
     """The greedy engine's verifier passes after the prefill over one response ``(s, e)``:
     ``[(anchor, n, k)]``, ``n`` of ``k`` drafted tokens accepted (``k == 0``: a plain
@@ -147,8 +161,12 @@ def walk(
     anchor is ``s`` (the prefill's token); each step moves to its bonus token,
     ``a + n + 1``; a step whose accepted tokens reach ``e`` ends the response.
     ``max_new_tokens``: the request's budget (the response has at most that many tokens).
+    ``beyond``: tokens of the verifier's greedy continuation known past ``e``
+    (``accepted_at`` counts matches through them): an engine that counts past the end
+    (vLLM) counts those its last step accepts, though they are never served.
     """
     s, e = span
+    past = beyond if rules.counts_past_end else 0
     steps, a = [], s
     while a < e:
         k = num_draft
@@ -158,7 +176,7 @@ def walk(
             steps.append((a, 0, 0))
             a += 1
             continue
-        n = min(int(accepted_at[a]), k, e - a)
+        n = min(int(accepted_at[a]), k, e - a + past)
         if rules.eos_is_bonus and ends_with_eos and a + n == e and n < k:
             n -= 1  # the matched end-of-sequence token is the step's bonus
         steps.append((a, n, k))
@@ -210,6 +228,7 @@ def row_steps(
     max_new_tokens: int | None = None,
     rules: EngineRules = ENGINES["llama.cpp"],
     margins: np.ndarray | None = None,
+    past_end: int = 0,
 ) -> ServedSteps:
     """The walk over every response of one row. ``anchors`` must hold every supervised
     position of the row (each response's anchors), ``draft_ids`` their drafts [A, N].
@@ -220,6 +239,8 @@ def row_steps(
     ``margins`` [A, N]: the drafter's top-2 logit margin at each draft position; each step
     records the smallest over the positions that decided it (its accepted ones and the
     first rejected): an engine's rounding can change the step only there.
+    ``past_end``: the last ``past_end`` supervised tokens of every response are the
+    verifier's greedy continuation past its end (:func:`walk`'s ``beyond``), not served.
     """
     num_draft = draft_ids.shape[1]
     n_at = np.zeros(input_ids.shape[0], np.int64)
@@ -232,6 +253,7 @@ def row_steps(
         margin_at[anchors] = margins
     acc, drafted, ctx, req, gen, tie = [], [], [], [], [], []
     for r, (s, e) in enumerate(response_spans(loss_mask, document_ids)):
+        e -= past_end
         if max_new_tokens is not None and e - s + 1 > max_new_tokens:
             e, ends = s + max_new_tokens - 1, False
         else:
@@ -239,7 +261,7 @@ def row_steps(
         gen.append(e - s + 1)
         steps = walk(
             (s, e), n_at, num_draft, ends_with_eos=ends, max_new_tokens=max_new_tokens,
-            rules=rules,
+            rules=rules, beyond=past_end,
         )  # fmt: skip
         for a, n, k in steps:
             if not have[a]:

@@ -139,7 +139,8 @@ def check_supported(d: dict[str, Any], where: str = "config.json") -> str:
     if mt not in FAMILIES:
         raise UnsupportedVerifierError(
             f"{where}: model_type {mt!r} has no in-step verifier forward; supported: "
-            f"{', '.join(SUPPORTED)} (use --hidden-states-backend files/online for others)"
+            f"{', '.join(SUPPORTED)} (for others, extract hidden-state files with "
+            "launch.extract_hidden_states, or generate them online with --on-missing generate)"
         )
     return mt
 

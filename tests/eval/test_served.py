@@ -58,6 +58,16 @@ def test_llamacpp_end_of_sequence_matched_before_the_last_slot_is_the_bonus():
     assert served.walk((10, 17), n_at, 4, ends_with_eos=False, rules=LLAMA)[-1] == (15, 2, 4)
 
 
+def test_vllm_counts_what_it_accepts_past_the_end():
+    n_at = np.full(40, 4)
+    # Two continuation tokens known past e=17: vLLM's last step accepts them too (4, not 2);
+    # llama.cpp never drafts past the end (the draft is cut) and the EOS is its bonus there.
+    assert served.walk((10, 17), n_at, 4, rules=VLLM, beyond=2)[-1] == (15, 4, 4)
+    assert served.walk((10, 17), n_at, 4, rules=LLAMA, beyond=2)[-1] == (15, 1, 4)
+    n_at[15] = 3  # the continuation matched through one token: 3 accepted
+    assert served.walk((10, 17), n_at, 4, rules=VLLM, beyond=2)[-1] == (15, 3, 4)
+
+
 def test_llamacpp_cuts_drafts_to_the_budget():
     n_at = np.full(40, 8)
     # Budget 8 tokens (s=0..e=7): after the prefill's token, 7 remain: a draft of 6, all
