@@ -236,3 +236,26 @@ def test_two_processes_read_only_their_shards(instep_setup, tmp_path):
 def test_flag_errors(instep_setup, tmp_path, over, message):
     with pytest.raises(cli.ConfigError, match=message):
         cli.resolve(instep_argv(instep_setup, tmp_path, **over))
+
+
+def test_tied_embeddings_in_step(instep_setup, tmp_path):
+    """A Llama that ties its head to its embedding (SmolLM2, Gemma): the drafter's frozen
+    embedding and head rows both come from ``embed_tokens`` (the checkpoint has no
+    ``lm_head``), and the in-step run trains on it."""
+    from tests.verifier.hf_models import build
+    from tests.verifier.instep_fixtures import SHAPE
+
+    root, _, data = instep_setup
+    tied = build("llama", tmp_path / "verifier", **{**SHAPE, "tie_word_embeddings": True})
+    embed = tied.model.embed_tokens.weight.detach().numpy()
+    args = cli.resolve(instep_argv((tmp_path, tied, data), tmp_path / "run", max_steps=2))
+    t = train.Trainer(args, devices=jax.devices()[:1])
+    frozen = t.load_frozen()
+    maps = t.setup.vocab_maps
+    rows = embed if maps is None else embed[np.asarray(maps[1]).astype(bool)]
+    np.testing.assert_array_equal(np.asarray(frozen.embed_tokens), embed)
+    np.testing.assert_array_equal(np.asarray(frozen.lm_head), rows.T)
+    assert train.run(args, devices=jax.devices()[:1]) == 0
+    losses = [r["train"]["loss"] for r in read_jsonl(tmp_path / "run" / "logs" / "run" /
+                                                       "metrics.jsonl") if "train" in r]  # fmt: skip
+    assert losses and np.isfinite(losses).all()
