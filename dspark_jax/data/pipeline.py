@@ -128,7 +128,10 @@ def _mark_absl_flags_parsed() -> None:
 def _shm_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     # In a worker process: build the hidden states straight into shared memory, which
     # Grain then hands to the main process without its own copy. New shared memory
-    # is zero-filled by the kernel.
+    # is zero-filled by the kernel. An empty array (tokens-only rows: the in-step verifier
+    # computes the hidden states) needs none, and shared memory refuses size 0.
+    if not np.prod(shape):
+        return np.zeros(shape, dtype)
     return grain.multiprocessing.SharedMemoryArray(shape, dtype)
 
 

@@ -241,14 +241,17 @@ def test_flag_errors(instep_setup, tmp_path, over, message):
 def test_tied_embeddings_in_step(instep_setup, tmp_path):
     """A Llama that ties its head to its embedding (SmolLM2, Gemma): the drafter's frozen
     embedding and head rows both come from ``embed_tokens`` (the checkpoint has no
-    ``lm_head``), and the in-step run trains on it."""
+    ``lm_head``), and the in-step run trains on it, its rows read by a Grain worker
+    process (tokens only: an empty hidden-state array, no shared memory for it)."""
     from tests.verifier.hf_models import build
     from tests.verifier.instep_fixtures import SHAPE
 
     root, _, data = instep_setup
     tied = build("llama", tmp_path / "verifier", **{**SHAPE, "tie_word_embeddings": True})
     embed = tied.model.embed_tokens.weight.detach().numpy()
-    args = cli.resolve(instep_argv((tmp_path, tied, data), tmp_path / "run", max_steps=2))
+    args = cli.resolve(
+        instep_argv((tmp_path, tied, data), tmp_path / "run", max_steps=2, num_workers=1)
+    )
     t = train.Trainer(args, devices=jax.devices()[:1])
     frozen = t.load_frozen()
     maps = t.setup.vocab_maps
