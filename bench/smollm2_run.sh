@@ -65,6 +65,7 @@ if [ ! -f "$OUT/train.jsonl" ]; then
   head -n "$N_TRAIN" configs/demo/conversations.jsonl >"$OUT/prompts.jsonl"
   "$PY" -m launch.regenerate --backend hf --model "$OUT/verifier" --data "$OUT/prompts.jsonl" \
     --output "$OUT/train.jsonl" --temperature 0 --max-new-tokens "$MAX_NEW" --batch-size 32 \
+    --dtype bfloat16 \
     --chunk-size 64
   done_in regenerate
 fi

@@ -204,7 +204,10 @@ def hf_backend(args: argparse.Namespace) -> Backend:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if args.dtype == "auto":  # fp32 is the faster one on CPU for the demo's tiny verifier
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    else:  # bf16 is ~3.5x faster on CPU for a 135M model (SmolLM2)
+        dtype = getattr(torch, args.dtype)
     # eager where sdpa would drop a feature vLLM computes (Gemma 2's soft-capping, sinks)
     config = AutoConfig.from_pretrained(args.model)
     kwargs = {"dtype": dtype}
@@ -212,7 +215,7 @@ def hf_backend(args: argparse.Namespace) -> Backend:
     if attn is not None:
         kwargs["attn_implementation"] = attn
     model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).to(device).eval()
-    log.info("hf backend: attention %s", attn_impl.loaded_implementation(model))
+    log.info("hf backend: attention %s, %s", attn_impl.loaded_implementation(model), dtype)
     eos = model.generation_config.eos_token_id
     eos = tok.eos_token_id if eos is None else eos
     eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
@@ -484,6 +487,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-retries", type=int, default=3, help="openai: HTTP retries")
     ap.add_argument("--batch-size", type=int, default=64, help="hf: prompts per generate call")
     ap.add_argument("--device", default=None, help="hf: torch device (default cuda if any)")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="hf: compute dtype (auto: float32 on CPU, bfloat16 on GPUs)")  # fmt: skip
     attn_impl.add_flag(ap)  # hf
     ap.add_argument("--threads", type=int, default=None,
                     help="hf: torch CPU threads (default torch's; 1 is much faster on a "
