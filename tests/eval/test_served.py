@@ -4,8 +4,6 @@ drafter) that must be lossless and count exactly what the walk predicts."""
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,20 +165,11 @@ class Loop:
 
 @pytest.mark.served  # shares the trained drafter with tests/served (CI runs them together)
 def test_speculative_loop_is_lossless_and_equals_the_walk(predictor):
-    from transformers import AutoTokenizer
-
-    from tests.served.fixtures import ROOT, VERIFIER
+    from tests.served.fixtures import heldout_prompts
 
     loop = Loop(predictor)
-    tok = AutoTokenizer.from_pretrained(VERIFIER)
-    lines = (ROOT / "configs/demo/conversations_heldout.jsonl").read_text().splitlines()
     total = {"drafts": 0, "accepted": 0}
-    for line in lines[:PROMPTS]:
-        turns = json.loads(line)["conversations"]
-        first = next(i for i, t in enumerate(turns) if t["role"] == "assistant")
-        prompt = tok.apply_chat_template(
-            turns[:first], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
+    for prompt in heldout_prompts(PROMPTS):
         plain = loop.plain(prompt)
         text, steps = loop.speculative(prompt)
         assert text == plain  # (a) lossless

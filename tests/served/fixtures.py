@@ -45,3 +45,14 @@ def served_drafter(tmp_path_factory) -> Path:
     ]  # fmt: skip
     assert train.run(cli.resolve(argv), devices=jax.devices()[:1]) == 0
     return root / "ckpt"
+
+
+def heldout_prompts(n: int) -> list[list[int]]:
+    """The first ``n`` held-out demo prompts as token ids (chat template applied), as
+    bench/served_acceptance.py sends them."""
+    from transformers import AutoTokenizer
+
+    from bench.served_acceptance import prompts
+
+    tok = AutoTokenizer.from_pretrained(VERIFIER)
+    return prompts(ROOT / "configs/demo/conversations_heldout.jsonl", tok, n)

@@ -8,7 +8,6 @@ order can flip the drafter's argmax only at a near-tie, which these few steps do
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.served.fixtures import ROOT, VERIFIER
+from tests.served.fixtures import ROOT, VERIFIER, heldout_prompts
 
 pytestmark = pytest.mark.served
 PROMPTS = 3
@@ -32,8 +31,6 @@ def llama_server():
 
 
 def test_llamacpp_serves_what_the_walk_predicts(served_drafter, llama_server, tmp_path):
-    from transformers import AutoTokenizer
-
     from dspark_jax.convert.llamacpp_rules import DRAFT_GGUF
     from dspark_jax.eval.predict import ResponsePredictor
     from launch.engines import servers
@@ -48,20 +45,13 @@ def test_llamacpp_serves_what_the_walk_predicts(served_drafter, llama_server, tm
     predictor = ResponsePredictor(export, VERIFIER, seq_len=256, engine="llama.cpp",
                                   max_new_tokens=MAX_NEW)  # fmt: skip
     n = predictor.ev.num_draft
-    tok = AutoTokenizer.from_pretrained(VERIFIER)
-    lines = (ROOT / "configs/demo/conversations_heldout.jsonl").read_text().splitlines()
     eos = set(predictor.ev.settings.eos_ids)
     total_served, total_pred = None, {"drafts": 0, "accepted": 0}
     with servers.start_llamacpp(tmp_path / "v.gguf", export / DRAFT_GGUF, n,
                                 tmp_path / "server.log", binary=llama_server,
                                 extra=["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]) as server:  # fmt: skip
         start = server.metrics()
-        for line in lines[:PROMPTS]:
-            turns = json.loads(line)["conversations"]
-            first = next(i for i, t in enumerate(turns) if t["role"] == "assistant")
-            prompt = tok.apply_chat_template(
-                turns[:first], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
+        for prompt in heldout_prompts(PROMPTS):
             before = server.metrics()
             got = server.complete(list(prompt), MAX_NEW)
             response = got["tokens"]
