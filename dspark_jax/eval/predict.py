@@ -109,15 +109,24 @@ class ResponsePredictor:
         eps = iv.cfg.rms_norm_eps
         gemma = cfg.verifier_norm_style == "gemma"
 
+        chunk = 64  # positions per [chunk, V] logits block: never a whole row's [S, V]
+
         @jax.jit
-        def top2(h):  # [S, H] last layer, before the final norm -> argmax, top-2 margin
+        def top2(h):  # [S, H] last layer, before the final norm -> argmax, margin, normed x
             x = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
             x = x * ((1.0 + norm) if gemma else norm)
-            logits = jnp.dot(x, head, precision=jax.lax.Precision.HIGHEST)
-            best, idx = jax.lax.top_k(logits, 2)
-            return idx[:, 0], best[:, 0] - best[:, 1], logits, jnp.linalg.norm(x, axis=-1)
+            n = -(-x.shape[0] // chunk)
+            xs = jnp.pad(x, ((0, n * chunk - x.shape[0]), (0, 0))).reshape(n, chunk, -1)
+
+            def block(xc):
+                best, idx = jax.lax.top_k(jnp.dot(xc, head, precision=jax.lax.Precision.HIGHEST), 2)
+                return idx[:, 0], best[:, 0] - best[:, 1]
+
+            idx, margin = jax.lax.map(block, xs)
+            return idx.reshape(-1)[: x.shape[0]], margin.reshape(-1)[: x.shape[0]], x
 
         self._top2 = top2
+        self._head = np.asarray(full.lm_head, np.float32)  # [V, H] host copy, for two rows
         self._row_norms = np.linalg.norm(np.asarray(full.lm_head, np.float32), axis=-1)
         v = iv.cfg
         longest = max(v.hidden_size, v.intermediate_size or 0, v.moe_intermediate_size or 0)
@@ -152,14 +161,15 @@ class ResponsePredictor:
                 ext.append(int(self.greedy_next([*tokens, *ext])[-1]))
         row = document_row([*tokens, *ext], len(prompt), self.seq, self.cfg)
         _, steps = self.ev.row(row, 0, past_end=len(ext))
-        idx, margin, logits, x_norm = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
-        idx, margin, x_norm = np.asarray(idx), np.asarray(margin), np.asarray(x_norm)
+        idx, margin, x = self._top2(self.filled(tokens)["verifier_last_hidden_states"])
+        idx, margin, x = np.asarray(idx), np.asarray(margin), np.asarray(x, np.float64)
         mismatches = []
         for t in range(len(prompt), len(tokens)):
             if tokens[t] != idx[t - 1]:
-                gap = float(logits[t - 1, idx[t - 1]] - logits[t - 1, tokens[t]])
+                a, b = self._head[idx[t - 1]], self._head[tokens[t]]  # the two tokens' rows
+                gap = float(x[t - 1] @ (a - b))
                 rows = self._row_norms[idx[t - 1]] + self._row_norms[tokens[t]]
-                bound = self.tie_bound * float(x_norm[t - 1] * rows)
+                bound = self.tie_bound * float(np.linalg.norm(x[t - 1]) * rows)
                 mismatches.append({"position": t - len(prompt), "served": int(tokens[t]),
                                    "argmax": int(idx[t - 1]), "logit_gap": gap,
                                    "bound": bound, "near_tie": gap <= bound})  # fmt: skip
