@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         convert(Path(args.gguf), Path(args.output), args.dtype)
-    except GGUFImportError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (GGUFImportError, ValueError, OSError) as e:
+        # ValueError/OSError: transformers' or gguf's refusal of a corrupt or unknown file
+        print(f"error: {args.gguf}: {e}" if not isinstance(e, GGUFImportError) else f"error: {e}",
+              file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

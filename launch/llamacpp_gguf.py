@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             convert(verifier, Path(args.out), outtype=args.outtype, pre_tokenizer=pre,
                     llama_cpp=args.llama_cpp)  # fmt: skip
-    except (GGUFError, subprocess.CalledProcessError) as e:
+    except (GGUFError, subprocess.CalledProcessError, ValueError, OSError) as e:
+        # ValueError: the converter's own refusals (an unsupported Markov head, a bad d2t)
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(args.out)

@@ -157,6 +157,14 @@ def _wait(server: Server, timeout: float) -> Server:
     raise EngineError(f"{server.engine} did not answer /health in {timeout:.0f} s ({server.log})")
 
 
+def _launch(engine: str, cmd: list[str], port: int, log: str | Path, timeout: float) -> Server:
+    """Start ``cmd`` (output to ``log``) and wait until it answers on ``port``."""
+    log = Path(log)
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return _wait(Server(engine, f"http://127.0.0.1:{port}", proc, log), timeout)
+
+
 def llama_server_binary() -> str:
     """``$DSPARK_LLAMA_SERVER``, else the pinned build (built on first use, ~11 min)."""
     if os.environ.get("DSPARK_LLAMA_SERVER"):
@@ -187,10 +195,7 @@ def start_llamacpp(
     if draft_gguf is not None:
         cmd += ["-md", str(draft_gguf), "--spec-type", "draft-dspark",
                 "--spec-draft-n-max", str(draft_tokens), "--spec-draft-p-min", "0"]  # fmt: skip
-    cmd += extra or []
-    log = Path(log)
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    return _wait(Server("llama.cpp", f"http://127.0.0.1:{port}", proc, log), timeout)
+    return _launch("llama.cpp", cmd + (extra or []), port, log, timeout)
 
 
 def start_vllm_cpu(
@@ -207,6 +212,4 @@ def start_vllm_cpu(
     if drafter is not None:
         spec = {"method": "dspark", "model": str(drafter), "num_speculative_tokens": draft_tokens}
         cmd += ["--speculative-config", json.dumps(spec)]
-    log = Path(log)
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    return _wait(Server("vllm", f"http://127.0.0.1:{port}", proc, log), timeout)
+    return _launch("vllm", cmd, port, log, timeout)
