@@ -6,27 +6,21 @@ folder, and, from ``python -m dspark_jax.eval``'s ``summary.json``, the per-data
 per-position acceptance table. Host-side text only.
 
 The training command is the run's ``run.yaml`` (the values the run was given, which
-``python -m dspark_jax.train`` writes beside its checkpoints) as one flag per value:
-``--<key with dashes>``, list values spelled out, ``true`` as the bare flag and
-``false`` as ``--no-<flag>``. It is read as a file, not through the trainer's flag
-parser, so that converting never imports the trainer.
+``python -m dspark_jax.train`` writes beside its checkpoints) as one flag per value,
+rendered by the file's owner, :mod:`dspark_jax.run_file` (below the trainer: converting
+never imports it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shlex
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from dspark_jax.config import DSparkConfig
 from dspark_jax.eval import report
 
 CARD_FILE = "README.md"
-RUN_FILE = "run.yaml"  # beside the checkpoint steps (dspark_jax.train writes it)
 # The card's tables: free running, as vLLM drafts (docs/math.md, "Acceptance figures to expect").
 CARD_METHODS = ("analytic/free_running", "greedy/free_running")
 
@@ -37,53 +31,13 @@ class CardInputs:
 
     name: str  # the folder's name (the title when no verifier is recorded)
     dtype: str = "bfloat16"
-    train_command: list[str] | None = None  # from run.yaml (run_command)
+    train_command: list[str] | None = None  # from run.yaml (dspark_jax.run_file.command)
     total_seq_len: int | None = None
     step: int | None = None
     serve_commands: tuple[str, ...] = ()
     temperature: float | None = None  # folded into the confidence head
     calibration: dict[str, Any] | None = None  # the calibration.json record
     eval_summary: dict[str, Any] | None = None  # the eval's summary.json
-
-
-def run_values(run_yaml: str | os.PathLike) -> dict[str, Any]:
-    """``{flag dest: value}`` of a run.yaml: the ``train:`` stage (or a flat mapping),
-    its groups (``data:``, ``optimizer:``, ...) flattened. Raises ValueError naming the file."""
-    try:
-        data = yaml.safe_load(Path(run_yaml).read_text())
-    except OSError as e:
-        raise ValueError(f"{run_yaml}: cannot be read ({e.strerror or e})") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"{run_yaml}: not valid YAML ({e})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{run_yaml}: expected a top-level mapping")
-    stage = data.get("train")
-    stage = stage if isinstance(stage, dict) else data
-    values: dict[str, Any] = {}
-    for key, value in stage.items():
-        if isinstance(value, dict):  # a group: no flag takes a mapping
-            values.update(value)
-        else:
-            values[key] = value
-    return values
-
-
-def run_command(values: dict[str, Any]) -> list[str]:
-    """``python -m dspark_jax.train`` argv with one flag per value of a run.yaml."""
-    argv = ["python", "-m", "dspark_jax.train"]
-    for dest, value in values.items():
-        flag = "--" + str(dest).replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
 
 
 def _num(v) -> str:

@@ -34,17 +34,10 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from dspark_jax import file_mode
+from dspark_jax import file_mode, run_file
 from dspark_jax.checkpoint import orbax_io
 from dspark_jax.config import DSparkConfig
-from dspark_jax.convert.card import (
-    CARD_FILE,
-    RUN_FILE,
-    CardInputs,
-    model_card,
-    run_command,
-    run_values,
-)
+from dspark_jax.convert.card import CARD_FILE, CardInputs, model_card
 from dspark_jax.convert.check import (
     CONFIG_FILE,
     SINGLE_FILE,
@@ -414,13 +407,13 @@ def card_serve_commands(report: CheckReport, out_dir: Path) -> tuple[str, ...]:
 def _card_inputs(ckpt_dir, out_dir, step: int, meta: dict, verifier_name: str | None) -> CardInputs:
     """The training command and sequence length of the run, from its run.yaml (which
     holds the flags given) and the step's meta (the resolved sequence length)."""
-    run_yaml = Path(ckpt_dir) / RUN_FILE
+    run_yaml = Path(ckpt_dir) / run_file.RUN_FILE
     if not run_yaml.is_file():
         return CardInputs(
             name=Path(out_dir).name, step=step, total_seq_len=meta.get("total_seq_len")
         )
     try:
-        values = run_values(run_yaml)
+        values = run_file.load(run_yaml)
     except ValueError as e:
         raise ExportError(str(e)) from None
     # Paths relative to the run (the checkpoint directory, where run.yaml lies).
@@ -431,6 +424,6 @@ def _card_inputs(ckpt_dir, out_dir, step: int, meta: dict, verifier_name: str | 
     return CardInputs(
         name=Path(out_dir).name,
         step=step,
-        train_command=run_command(values),
+        train_command=run_file.command(values),
         total_seq_len=values.get("total_seq_len", meta.get("total_seq_len")),
     )

@@ -238,9 +238,9 @@ def test_export_is_readable_by_others(tmp_path):
 
 
 def test_card_command_is_the_run_yaml_as_the_trainer_spells_it(tmp_path):
-    # The card reads run.yaml as a file (convert never imports the trainer); its command
-    # must equal the trainer's own rendering and parse back to the run's values.
-    from dspark_jax.convert.card import run_command, run_values
+    # The card reads run.yaml through its owner (dspark_jax.run_file, below the trainer);
+    # its command must parse back to the run's values, a false store_true flag included.
+    from dspark_jax import run_file
     from dspark_jax.train import flags as cli
 
     argv = ["--config", "configs/demo/train.yaml", "--data-path", str(tmp_path / "data")]
@@ -248,10 +248,11 @@ def test_card_command_is_the_run_yaml_as_the_trainer_spells_it(tmp_path):
     argv += ["--lr", "0.001", "--gradient-checkpointing", "--no-sample-from-anchor"]
     argv += ["--no-enable-confidence-head"]
     cli.resolve(argv).save(tmp_path)
-    values = run_values(tmp_path / "run.yaml")
+    with open(tmp_path / "run.yaml", "a") as f:  # as a hand-written config may say it
+        f.write("  deterministic_cuda: false\n")
+    values = run_file.load(tmp_path / "run.yaml")
     assert values["total_seq_len"] == 1024 and values["target_layer_ids"] == [1, 2, 3]
-    command = run_command(values)
-    assert command == cli.command_line(tmp_path / "run.yaml")
+    command = run_file.command(values)
     assert "--no-sample-from-anchor" in command and "--gradient-checkpointing" in command
     resolved = cli.resolve(["--config", str(tmp_path / "run.yaml")]).values
     assert cli.resolve(command[3:]).values == resolved
