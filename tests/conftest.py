@@ -11,6 +11,8 @@ rules that keep a broken install from passing with fewer tests.
   (vLLM 0.33.0 itself, in the separate environment named by ``DSPARK_VLLM_PYTHON``),
   a skipped ``served`` test (llama.cpp's server, built from the pinned sdist and named
   by ``DSPARK_LLAMA_SERVER``),
+  a skip for a machine CI is sized for (fewer than 8 simulated devices, ``srun`` on
+  PATH) or for a tracker the ``loggers`` extra installs (:data:`CI_NEVER_SKIPS`),
   and a test module skipped whole: CI installs every extra, so a skip there means a
   broken install.
 * A skip for want of speculators / hs_connectors in a test *not* marked
@@ -40,6 +42,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 REFERENCE_PACKAGES = ("speculators", "hs_connectors")
+# Skip reasons that mean a broken CI machine or install, not an optional feature.
+CI_NEVER_SKIPS = (
+    "needs 8 (simulated) devices",  # XLA_FLAGS above: only an overriding flag skips
+    "this machine has srun",  # the Slurm recipe's no-srun path must run somewhere: CI
+    "could not import 'wandb'",  # the loggers extra
+    "could not import 'trackio'",
+    "could not import 'mlflow'",
+)
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 # Session fixtures of more than one test directory (loaded after the environment above).
@@ -100,6 +110,8 @@ def _item_skip_is_failure(item: pytest.Item, reason: str) -> str | None:
         return None
     if (CI or blocked) and _names_reference_package(reason):
         return "this test needs speculators/hs_connectors: mark it @pytest.mark.reference"
+    if CI and any(never in reason for never in CI_NEVER_SKIPS):
+        return "this skip means a broken CI machine or install (tests/conftest.py CI_NEVER_SKIPS)"
     if CI and item.get_closest_marker("tpu"):
         return "a test marked 'tpu' was skipped under CI=true (libtpu, the tpu extra, missing?)"
     if CI and item.get_closest_marker("cuda_compile"):
