@@ -363,8 +363,14 @@ def _read_partial(path: Path, expected: dict) -> dict[int, dict]:
         header = json.loads(lines[0])
     except json.JSONDecodeError:
         raise ValueError(f"{path}: the first line is not this tool's settings") from None
-    if header != expected:
-        diff = sorted(k for k in set(header) | set(expected) if header.get(k) != expected.get(k))
+    # The endpoint is where the model was, not what it is: a restarted server on another
+    # port resumes the same run.
+    diff = sorted(
+        k
+        for k in set(header) | set(expected)
+        if k != "endpoint" and header.get(k) != expected.get(k)
+    )
+    if diff:
         raise ValueError(
             f"{path} was written with other settings ({', '.join(diff)}): rerun with the "
             "same flags, or remove it to start over"

@@ -126,7 +126,8 @@ def test_resume_after_a_kill_redoes_only_the_unfinished_chunk(tmp_path):
     ):
         rg.run(_args(tmp_path, "--temperature", "0.5"), backend=echo)
     calls.clear()
-    rg.run(_args(tmp_path), backend=echo)
+    # Resumed against the same model served at another address (a restarted server).
+    rg.run(_args(tmp_path, "--endpoint", "http://127.0.0.1:9/v1"), backend=echo)
     assert [first for first, _ in calls] == [2]
     resumed = (tmp_path / "out" / "regen.jsonl").read_text()
     whole = tmp_path / "whole"
