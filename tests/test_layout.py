@@ -5,6 +5,7 @@ imports converters, torch or speculators, and the repository cites only itself."
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -202,3 +203,17 @@ def test_code_cites_only_this_repository():
         if needle in p.read_text()
     ]
     assert not offenders, f"files citing a path outside the repository: {offenders}"
+
+
+def test_the_exporter_imports_the_checkpoint_format_not_the_trainers_machinery():
+    # One owner per format: reading a checkpoint (export) pulls neither the trainer's
+    # Checkpointer (and Grain with it) nor the trainer's flags.
+    code = (
+        "import sys, dspark_jax.convert.export\n"
+        "print(sorted(m for m in ('grain', 'dspark_jax.checkpoint.checkpointer',"
+        " 'dspark_jax.train.flags', 'dspark_jax.train') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout

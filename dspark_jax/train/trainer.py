@@ -51,8 +51,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import optim, parallel
+from dspark_jax.checkpoint.checkpointer import Checkpointer
 from dspark_jax.checkpoint.orbax_io import FORMAT as CHECKPOINT_FORMAT  # what the converters read
-from dspark_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, unreadable_reason
+from dspark_jax.checkpoint.orbax_io import CheckpointError, unreadable_reason
 from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData, ProcessRows
 from dspark_jax.data.verifier import load_verifier_tensors

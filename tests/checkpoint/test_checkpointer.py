@@ -1,4 +1,4 @@
-"""dspark_jax.checkpoint.orbax_io.Checkpointer: composite save/restore, retention, meta."""
+"""dspark_jax.checkpoint.checkpointer.Checkpointer: composite save/restore, retention, meta."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax import parallel
-from dspark_jax.checkpoint.orbax_io import Checkpointer, KeepLatestAndBest
+from dspark_jax.checkpoint.checkpointer import Checkpointer, KeepLatestAndBest
 
 
 def _iterator(start=0):
@@ -96,7 +96,7 @@ FULL_DISK_CHILD = r"""
 import resource, signal, sys
 import numpy as np
 from dspark_jax.cli import guarded
-from dspark_jax.checkpoint.orbax_io import Checkpointer
+from dspark_jax.checkpoint.checkpointer import Checkpointer
 from dspark_jax.train.trainer import setup_logging
 
 def main(argv):
@@ -173,7 +173,7 @@ def test_a_failed_restore_leaves_nothing_running(tmp_path, capfd, caplog, monkey
     import asyncio
     import gc
 
-    from dspark_jax.checkpoint.orbax_io import abstract_like
+    from dspark_jax.checkpoint.checkpointer import abstract_like
 
     left_running = []
     close = asyncio.BaseEventLoop.close
@@ -202,7 +202,8 @@ def test_a_failed_restore_leaves_nothing_running(tmp_path, capfd, caplog, monkey
 def test_an_unreadable_step_is_described_in_one_short_line(tmp_path, monkeypatch):
     """The cause in words and the file relative to the checkpoint, not TensorStore's spec
     (kilobytes); DSPARK_DEBUG keeps the whole text."""
-    from dspark_jax.checkpoint.orbax_io import abstract_like, unreadable_reason
+    from dspark_jax.checkpoint.checkpointer import abstract_like
+    from dspark_jax.checkpoint.orbax_io import unreadable_reason
 
     ckpt, state, sizes = _truncated_checkpoint(tmp_path)
     with pytest.raises(ValueError) as caught:
