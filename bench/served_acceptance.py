@@ -110,12 +110,13 @@ def decode_speed(args, work: Path, ids: list[list[int]], n_draft: int) -> dict:
             with servers.start_llamacpp(gguf(args, work, False), draft, n_draft, log,
                                         threads=args.threads, extra=llama_extra(args)) as srv:  # fmt: skip
                 n = ms = 0.0
-                for p in ids:
+                for p in ids[: args.speed_prompts or None]:
                     t = srv.complete(p, args.max_tokens)["timings"]
                     n, ms = n + t["predicted_n"], ms + t["predicted_ms"]
             runs[mode].append(1000.0 * n / ms)
     med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
-    return {"runs": runs, "median_tokens_per_s": med, "speedup": med["with"] / med["without"]}
+    return {"runs": runs, "prompts": len(ids[: args.speed_prompts or None]),
+            "median_tokens_per_s": med, "speedup": med["with"] / med["without"]}  # fmt: skip
 
 
 def explain(engine: str, served: dict, pred: dict, n_draft: int, draft_tie: bool = False) -> str:
@@ -150,11 +151,8 @@ def run(args) -> dict:
     if args.endpoint:
         server = servers.Server(engine, args.endpoint.rstrip("/"), None, log)  # type: ignore[arg-type]
     elif engine == "llama.cpp":
-        extra = (
-            ["-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"] if args.kv_f32 else []
-        )
         server = servers.start_llamacpp(gguf(args, work, False), gguf(args, work, True), n_draft,
-                                        log, threads=args.threads, extra=extra)  # fmt: skip
+                                        log, threads=args.threads, extra=llama_extra(args))  # fmt: skip
     else:
         server = servers.start_vllm_cpu(args.verifier, args.drafter, n_draft, log)
     start_s = time.perf_counter() - t0
@@ -259,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=int, default=0, metavar="R",
                    help="llama.cpp: also decode tokens/s with and without the drafter, R runs "
                    "each, alternated; the ratio of medians")  # fmt: skip
+    p.add_argument("--speed-prompts", type=int, default=0, metavar="K",
+                   help="--speed on the first K prompts only (0: all)")  # fmt: skip
     p.add_argument("--kv-f32", action=argparse.BooleanOptionalAction, default=True,
                    help="llama.cpp: the verifier's and the draft's KV caches in f32 (its default "
                    "f16 rounds keys and values at 2**-11: the fp32 near-tie bounds then fail)")  # fmt: skip
