@@ -58,6 +58,7 @@ class LoadedDrafter:
     step: int | None  # the checkpoint step; None for a speculators folder
     vocab_maps: tuple[np.ndarray, np.ndarray] | None  # (d2t, t2d) for a reduced vocab
     source: str  # what was loaded, for logs and reports
+    meta: dict = dataclasses.field(default_factory=dict)  # the step's meta (checkpoints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +114,31 @@ def load_drafter(
             cfg, params, maps = drafter.cfg, to_host(drafter.params), drafter.vocab_maps
             step, source = None, f"speculators folder {path}"
         else:
-            loaded = orbax_io.load_params(path, step)  # meta (config) -> model -> params
-            cfg, params, maps = loaded.cfg, loaded.params, None
-            step, source = loaded.step, f"Orbax checkpoint {path} step {loaded.step}"
-        # The vocab maps: explicit paths win over those stored with the drafter (a
-        # checkpoint keeps them beside its steps).
-        if maps is None or d2t_path is not None or t2d_path is not None:
+            return load_checkpoint(path, step, d2t_path=d2t_path, t2d_path=t2d_path)
+        # Explicit vocab maps win over those stored with the drafter.
+        if d2t_path is not None or t2d_path is not None:
             maps = orbax_io.load_checkpoint_vocab_maps(path, cfg, d2t_path, t2d_path)
     except (ImportFolderError, orbax_io.CheckpointError) as e:
         raise DrafterLoadError(str(e)) from None
     return LoadedDrafter(cfg, params, step, maps, source)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    step: int | str | None = "latest",
+    *,
+    best_metric: str = "loss",
+    best_mode: str = "min",
+    d2t_path: str | os.PathLike | None = None,
+    t2d_path: str | os.PathLike | None = None,
+) -> LoadedDrafter:
+    """Step ``step`` of an Orbax checkpoint (N, ``latest``, or ``best`` by ``best_metric``
+    and ``best_mode``) with its meta and vocab maps (``d2t_path``/``t2d_path``, else the
+    ones beside the steps). Raises CheckpointError (VocabError for the maps)."""
+    loaded = orbax_io.load_params(path, step, best_metric=best_metric, best_mode=best_mode)
+    maps = orbax_io.load_checkpoint_vocab_maps(path, loaded.cfg, d2t_path, t2d_path)
+    source = f"Orbax checkpoint {path} step {loaded.step}"
+    return LoadedDrafter(loaded.cfg, loaded.params, loaded.step, maps, source, loaded.meta)
 
 
 def read_drafter(

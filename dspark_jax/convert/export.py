@@ -35,7 +35,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dspark_jax import file_mode, run_file
-from dspark_jax.checkpoint import orbax_io
+from dspark_jax.checkpoint.load import load_checkpoint
 from dspark_jax.config import DSparkConfig
 from dspark_jax.convert.card import CARD_FILE, CardInputs, model_card
 from dspark_jax.convert.check import (
@@ -351,8 +351,11 @@ def export_checkpoint(
     arguments: :func:`export_params`. Returns the check report and the step exported.
     """
     check_destination(Path(out_dir), kwargs.get("overwrite", False), protect=(Path(ckpt_dir),))
-    loaded = orbax_io.load_params(ckpt_dir, step, best_metric=best_metric, best_mode=best_mode)
-    maps = orbax_io.load_checkpoint_vocab_maps(ckpt_dir, loaded.cfg, d2t_path, t2d_path)
+    loaded = load_checkpoint(
+        ckpt_dir, step, best_metric=best_metric, best_mode=best_mode,
+        d2t_path=d2t_path, t2d_path=t2d_path,
+    )  # fmt: skip
+    maps = loaded.vocab_maps
     card = _card_inputs(
         ckpt_dir, out_dir, loaded.step, loaded.meta, kwargs.get("verifier_name_or_path")
     )
