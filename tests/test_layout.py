@@ -25,6 +25,7 @@ LAYERS = (
         "dspark_jax.cli",
         "dspark_jax.file_mode",
         "dspark_jax.run_file",
+        "dspark_jax.hf_folder",
     ),
     ("dspark_jax.model", "dspark_jax.verifier", "dspark_jax.data", "dspark_jax.optim"),
     ("dspark_jax.checkpoint",),

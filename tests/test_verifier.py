@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dspark_jax.data.verifier import VerifierWeightsError, load_verifier_tensors, resolve_key
+from dspark_jax.verifier.frozen import VerifierWeightsError, load_verifier_tensors, resolve_key
 from tests.data.conftest import write_safetensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -120,7 +120,7 @@ def test_missing_tensor_lists_the_names_tried(tmp_path):
 
 
 def test_only_needed_shards_are_opened(tmp_path, monkeypatch):
-    from dspark_jax.data import verifier
+    from dspark_jax.verifier import frozen as verifier
 
     t = llama_like()
     folder = make_folder(tmp_path / "m", t, shards=5)  # one tensor per shard

@@ -1,4 +1,4 @@
-"""A speculators drafter folder on disk: its file names and reading it.
+"""A speculators drafter folder on disk: reading it (its layout: :mod:`dspark_jax.hf_folder`).
 
 The folder vLLM serves and speculators' ``save_pretrained`` writes: ``config.json``
 and the weights, one ``model.safetensors`` or shards listed by
@@ -19,30 +19,11 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors read
 import numpy as np
 from safetensors import safe_open
 
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from dspark_jax.hf_folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
 
 
 class ImportFolderError(ValueError):
     """The source folder cannot be imported (named file/tensor/field in the message)."""
-
-
-def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files a loader reads (all of ``*.safetensors`` unless an index
-    lists them, as vLLM does), and the index weight map if any."""
-    index = folder / INDEX_FILE
-    if index.exists():
-        try:
-            wmap = dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{index}: no valid weight_map ({e})") from None
-        return sorted({folder / f for f in wmap.values()}), wmap
-    return sorted(folder.glob("*.safetensors")), None
-
-
-def has_weights(path: Path) -> bool:
-    return (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
 
 
 def read_folder(folder: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
@@ -57,10 +38,7 @@ def read_folder(folder: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]
         raise ImportFolderError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ImportFolderError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
-    try:
-        files, _ = weight_files(folder)
-    except ValueError as e:
-        raise ImportFolderError(str(e)) from None
+    files, _ = weight_files(folder, ImportFolderError)
     if not files:
         raise ImportFolderError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
     tensors: dict[str, np.ndarray] = {}

@@ -31,14 +31,10 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.checkpoint import orbax_io
-from dspark_jax.checkpoint.folder import (
-    CONFIG_FILE,
-    ImportFolderError,
-    has_weights,
-    read_folder,
-)
+from dspark_jax.checkpoint.folder import ImportFolderError, read_folder
 from dspark_jax.config import DSparkConfig, verifier_norm_style
 from dspark_jax.data.vocab import VocabError, check_vocab_maps
+from dspark_jax.hf_folder import CONFIG_FILE, has_weights
 from dspark_jax.model.params import from_speculators, speculators_key, to_host
 
 logger = logging.getLogger(__name__)
@@ -202,7 +198,7 @@ def _folder_config(
         raise ImportFolderError(str(e)) from None
     if "verifier_norm_style" not in config:
         # A folder speculators wrote: it takes the convention from the verifier at load time.
-        from dspark_jax.data.verifier import verifier_model_type
+        from dspark_jax.verifier.frozen import verifier_model_type
 
         verifier = verifier_path or src_cfg.verifier_name_or_path
         model_type = verifier_model_type(verifier) if verifier else None
@@ -302,7 +298,7 @@ def _check_lm_head(cfg, tensors, maps, folder: Path, verifier_path) -> None:
             verifier_path,
         )
     elif verifier_path is not None:
-        from dspark_jax.data.verifier import VerifierWeightsError, load_verifier_tensors
+        from dspark_jax.verifier.frozen import VerifierWeightsError, load_verifier_tensors
 
         try:
             rows = load_verifier_tensors(verifier_path, maps[1]).lm_head

@@ -37,7 +37,6 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors read
 import numpy as np
 from safetensors import safe_open
 
-from dspark_jax.checkpoint.folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
 from dspark_jax.config import (
     ROPE_KEYS,
     ROPE_TYPES,
@@ -48,6 +47,7 @@ from dspark_jax.config import (
     longrope_attention_factor,
 )
 from dspark_jax.convert import llamacpp_rules, sglang_jax_rules, vllm_rules
+from dspark_jax.hf_folder import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, weight_files
 
 TARGETS = ("vllm", "speculators", "sglang-jax", "llama.cpp")
 FLOAT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}

@@ -63,7 +63,7 @@ class ExportError(ValueError):
 def _verifier_lm_head(
     cfg: DSparkConfig, verifier_path: str | os.PathLike | None, t2d
 ) -> np.ndarray:
-    from dspark_jax.data.verifier import load_verifier_tensors
+    from dspark_jax.verifier.frozen import load_verifier_tensors
 
     path = verifier_path or cfg.verifier_name_or_path
     if path is None or not Path(path).is_dir():

@@ -22,6 +22,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from dspark_jax import hf_folder
 from dspark_jax.config import is_int
 from dspark_jax.convert import vllm_rules
 
@@ -185,7 +186,7 @@ def check(d: dict, headers: dict, *, verifier: str | Path | None = None) -> Find
 
 
 def _verifier_rules(d: dict, tl: dict, v: dict[str, Any], f: Findings) -> None:
-    text = v.get("text_config") if isinstance(v.get("text_config"), dict) else v
+    text = hf_folder.text_config(v)
     archs = v.get("architectures") or []
     known = [a for a in archs if a in VERIFIER_ARCHITECTURES]
     if not known:

@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dspark_jax.checkpoint.folder import CONFIG_FILE
 from dspark_jax.convert.check import CheckError, CheckReport, check_folder
 from dspark_jax.convert.export import (
     ExportError,
@@ -28,6 +27,7 @@ from dspark_jax.convert.export import (
     export_checkpoint,
 )
 from dspark_jax.convert.sglang_jax_rules import ARCHITECTURE
+from dspark_jax.hf_folder import CONFIG_FILE
 
 CARD_FILE = "README.md"
 

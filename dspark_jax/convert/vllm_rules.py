@@ -25,6 +25,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors read
 import numpy as np
 from safetensors import safe_open
 
+from dspark_jax import hf_folder
 from dspark_jax.config import is_int, is_num
 
 RULES: dict[str, str] = {
@@ -100,8 +101,8 @@ def read_verifier(path_or_config: str | os.PathLike) -> Verifier:
         ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--verifier {cfg_path}: not valid JSON ({e})") from None
-    if isinstance(d, dict) and isinstance(d.get("text_config"), dict):
-        d = d["text_config"]
+    if isinstance(d, dict):
+        d = hf_folder.text_config(d)
     values = {}
     for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
         v = d.get(name) if isinstance(d, dict) else None

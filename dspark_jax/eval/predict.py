@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import DSparkConfig
-from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.eval import runner, served
 from dspark_jax.model.draft import ROW_KEYS
 from dspark_jax.verifier import instep
+from dspark_jax.verifier.frozen import load_verifier_tensors
 
 
 def document_row(tokens, n_prompt: int, seq: int, cfg: DSparkConfig) -> dict[str, np.ndarray]:

@@ -51,11 +51,11 @@ from flax import nnx
 
 from dspark_jax.checkpoint import load
 from dspark_jax.config import DSparkConfig, verifier_norm_style
-from dspark_jax.data.verifier import load_verifier_tensors, verifier_model_type
 from dspark_jax.eval import acceptance, calibration, report, served
 from dspark_jax.eval.slot_statistics import row_statistics
 from dspark_jax.model.draft import ROW_KEYS, DSparkDraftModel, FrozenWeights
 from dspark_jax.verifier import instep
+from dspark_jax.verifier.frozen import load_verifier_tensors, verifier_model_type
 
 log = logging.getLogger("dspark_jax.eval")
 

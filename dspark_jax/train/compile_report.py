@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax import optim, parallel
+from dspark_jax import hf_folder, optim, parallel
 from dspark_jax.model.draft import FrozenWeights
 from dspark_jax.train import compile_target
 from dspark_jax.verifier.weights import param_specs
@@ -115,7 +115,7 @@ def frozen_dtype(verifier_path: str):
         d = json.loads((Path(verifier_path) / "config.json").read_text())
     except (OSError, ValueError):
         d = {}
-    d = d.get("text_config", d) if isinstance(d.get("text_config"), dict) else d
+    d = hf_folder.text_config(d)
     name = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
     return HF_DTYPES.get(str(name), jnp.bfloat16)
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from dspark_jax import hf_folder
 from dspark_jax.checkpoint import load
 from dspark_jax.config import DSparkConfig, decoder_fields_from_qwen3, verifier_norm_style
 from dspark_jax.data.hs_names import EXTRACTION_CONFIG
@@ -103,7 +104,7 @@ def read_verifier_config(path: str) -> dict[str, Any]:
             "(dspark_jax does not download; fetch Hub models first, e.g. huggingface-cli download)"
         )
     d = json.loads((folder / "config.json").read_text())
-    return d.get("text_config", d) if isinstance(d.get("text_config"), dict) else d
+    return hf_folder.text_config(d)
 
 
 def resolve_target_layer_ids(args: TrainArgs, verifier: dict[str, Any]) -> list[int]:

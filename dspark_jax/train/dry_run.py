@@ -23,9 +23,9 @@ from flax import nnx
 from dspark_jax import optim
 from dspark_jax.data.files import DataError, PreparedDataset
 from dspark_jax.data.hs_names import hs_path
-from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.params import leaf_key, to_host
 from dspark_jax.train import drafter_setup, flags, online_setup
+from dspark_jax.verifier.frozen import load_verifier_tensors
 
 
 class PlannedRun(Protocol):

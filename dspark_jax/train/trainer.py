@@ -56,7 +56,6 @@ from dspark_jax.checkpoint.orbax_io import FORMAT as CHECKPOINT_FORMAT  # what t
 from dspark_jax.checkpoint.orbax_io import CheckpointError, unreadable_reason
 from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData, ProcessRows
-from dspark_jax.data.verifier import load_verifier_tensors
 from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
 from dspark_jax.train import drafter_setup, flags, online_setup, throughput
 from dspark_jax.train.dry_run import dry_run
@@ -71,6 +70,7 @@ from dspark_jax.train.metrics_log import (
 from dspark_jax.train.opd import opd_batch_loss
 from dspark_jax.verifier import instep
 from dspark_jax.verifier.forward import drafted_blocks_supported
+from dspark_jax.verifier.frozen import load_verifier_tensors
 
 log = logging.getLogger("dspark_jax.train")
 

@@ -20,7 +20,6 @@ device's shard of a stacked parameter is its slice of every layer's tensor.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,12 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from dspark_jax import hf_folder
 from dspark_jax.data.files import DataError, SafetensorsFile
 from dspark_jax.parallel import logical_spec
 from dspark_jax.verifier.config import VerifierConfig
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 class VerifierCheckpointError(DataError):
@@ -123,27 +120,15 @@ class Checkpoint:
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
-        index = self.folder / INDEX_FILE
-        if index.exists():
-            try:
-                self.weight_map = dict(json.loads(index.read_text())["weight_map"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise VerifierCheckpointError(f"{index}: no valid weight_map ({e})") from None
-        elif (self.folder / SINGLE_FILE).exists():
-            keys = SafetensorsFile(self.folder / SINGLE_FILE).keys()
-            self.weight_map = dict.fromkeys(keys, SINGLE_FILE)
-        else:
-            raise VerifierCheckpointError(
-                f"{self.folder}: neither {INDEX_FILE} nor {SINGLE_FILE} found"
-            )
+        self.weight_map = hf_folder.weight_map(self.folder, VerifierCheckpointError)
         self._files: dict[str, SafetensorsFile] = {}
         self.prefix = self._prefix()
 
     @property
     def source(self) -> Path:
         """The file that lists the tensors: the index, or the single safetensors file."""
-        index = self.folder / INDEX_FILE
-        return index if index.exists() else self.folder / SINGLE_FILE
+        index = self.folder / hf_folder.INDEX_FILE
+        return index if index.exists() else self.folder / hf_folder.SINGLE_FILE
 
     def _prefix(self) -> str:
         """The text model's key prefix: what precedes ``embed_tokens.weight`` (shortest)."""

@@ -31,7 +31,7 @@ from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.check import check_folder
 from dspark_jax.convert.export import export_checkpoint
 from dspark_jax.convert.importer import WarmStart, import_folder
-from dspark_jax.data.verifier import load_verifier_tensors
+from dspark_jax.verifier.frozen import load_verifier_tensors
 from dspark_jax.model.draft import (
     DSparkDraftModel,
     FrozenWeights,

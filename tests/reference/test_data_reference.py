@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from dspark_jax.data.files import PreparedDataset
 from dspark_jax.data.packing import plan_epoch
 from dspark_jax.data.pipeline import PackedData
-from dspark_jax.data.verifier import load_verifier_tensors
+from dspark_jax.verifier.frozen import load_verifier_tensors
 from dspark_jax.data.vocab import build_vocab_maps, load_token_freq
 
 pytestmark = pytest.mark.reference

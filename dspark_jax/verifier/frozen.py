@@ -23,7 +23,6 @@ Local folders only; download a Hub model first (``huggingface-cli download``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -31,12 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax import hf_folder
 from dspark_jax.data.files import DataError, SafetensorsFile
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 EMBED = "embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 NORM = "model.norm.weight"
@@ -71,27 +69,8 @@ class VerifierTensors:
 def verifier_model_type(folder: str | os.PathLike) -> str | None:
     """The verifier's effective model_type (its ``text_config``'s when it has one, as
     speculators' ``get_verifier_config``), or None without a readable config.json."""
-    path = Path(folder) / "config.json"
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if isinstance(d.get("text_config"), dict):
-        d = d["text_config"]
-    return d.get("model_type") or None
-
-
-def _weight_map(folder: Path) -> dict[str, str]:
-    index = folder / INDEX_FILE
-    if index.exists():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise VerifierWeightsError(f"{index}: no valid weight_map ({e})") from None
-    single = folder / SINGLE_FILE
-    if single.exists():
-        return dict.fromkeys(SafetensorsFile(single).keys(), SINGLE_FILE)
-    raise VerifierWeightsError(f"{folder}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+    config = hf_folder.read_config(folder)
+    return None if config is None else hf_folder.text_config(config).get("model_type") or None
 
 
 def candidates(name: str) -> list[str]:
@@ -111,11 +90,10 @@ def resolve_key(name: str, keys: list[str] | dict[str, str]) -> str | None:
 
 
 def _tied_in_config(folder: Path) -> bool | None:
-    cfg = folder / "config.json"
-    if not cfg.exists():
+    d = hf_folder.read_config(folder)
+    if d is None:
         return None
-    d = json.loads(cfg.read_text())
-    d = d.get("text_config", d) if "tie_word_embeddings" not in d else d
+    d = d if "tie_word_embeddings" in d else hf_folder.text_config(d)
     tied = d.get("tie_word_embeddings")
     return None if tied is None else bool(tied)
 
@@ -134,7 +112,7 @@ def load_verifier_tensors(
         raise VerifierWeightsError(
             f"{folder}: not a local model folder (download Hub models first)"
         )
-    wmap = _weight_map(folder)
+    wmap = hf_folder.weight_map(folder, VerifierWeightsError)
 
     def missing(name: str) -> VerifierWeightsError:
         tried = ", ".join(f"{c!r} (exact or suffix)" for c in candidates(name))
