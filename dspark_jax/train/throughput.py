@@ -11,17 +11,24 @@ under ``--gradient-checkpointing``, recompute their forward). Elementwise work (
 RoPE, softmax, the loss terms) and the optimizer update are not counted.
 
 Peak FLOP/s per device kind are the vendors' dense bf16 figures (docs/math.md cites
-each); an unknown kind (CPU) has no peak and no MFU.
+each); an unknown kind (CPU) has no peak and no MFU. :class:`Throughput` turns them into
+a run's ``profile`` figures; :class:`StepProfiler` traces ``--profile-steps``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
 
 from dspark_jax.config import DSparkConfig
 from dspark_jax.model.attention import anchored_block_attention
+
+log = logging.getLogger("dspark_jax.train")
 
 # The tiling of anchored_block_attention as the drafter calls it (its defaults).
 Q_BLOCK_GROUP = anchored_block_attention.__kwdefaults__["q_block_group"]
@@ -189,3 +196,75 @@ def device_memory(devices) -> dict[str, float]:
     if not in_use:
         return {}
     return {"in_use": max(in_use) / 2**20, "peak": max(peak) / 2**20}
+
+
+# ------------------------------------------------------------------ in the training loop
+class Throughput:
+    """Step FLOPs of each batch (docs/math.md, "Step FLOPs") and the device peak: the
+    ``profile`` figures beyond the reference's (TFLOP/s per device, MFU, memory)."""
+
+    def __init__(self, cfg: DSparkConfig, args, mesh, process_share: float):
+        """``args``: the run's flags (``max_anchors``, ``total_seq_len``);
+        ``process_share``: the row groups one process's rows stand for."""
+        self.cfg, self.args = cfg, args
+        self.devices = mesh.size
+        self.share = process_share
+        kinds = {d.device_kind for d in mesh.devices.flat}
+        self.peak = peak_flops(kinds.pop()) if len(kinds) == 1 else None
+
+    def step_flops(self, batch: dict[str, np.ndarray]) -> float:
+        """Model FLOPs of one step on this process's rows, times the row groups (the
+        processes, or fewer when processes share rows)."""
+        args = self.args
+        context = visible_context(
+            batch["document_ids"], batch["loss_mask"], self.cfg, args.max_anchors
+        )
+        rows = batch["document_ids"].shape[0]
+        flops = train_step_flops(
+            self.cfg,
+            rows=rows,
+            num_anchors=args.max_anchors,
+            seq_len=args.total_seq_len,
+            context=context,
+        )
+        return flops * self.share
+
+    def figures(self, flops: float, elapsed: float) -> dict[str, Any]:
+        per_device = flops / elapsed / self.devices
+        out: dict[str, Any] = {
+            "tflops_per_device": per_device / 1e12,
+            "mfu": None if self.peak is None else per_device / self.peak,
+        }
+        memory = device_memory(jax.local_devices())
+        if memory:
+            out["memory_mb"] = memory
+        return out
+
+
+class StepProfiler:
+    """``--profile-steps A:B``: ``jax.profiler`` traces steps A..B-1 into ``log_dir``
+    (``plugins/profile/<time>/<host>.xplane.pb``: TensorBoard's profile plugin, XProf,
+    Perfetto)."""
+
+    def __init__(self, window: tuple[int, int] | None, log_dir: Path):
+        self.window, self.log_dir, self.active = window, Path(log_dir), False
+
+    def before(self, step: int) -> None:
+        if self.window is not None and not self.active and self.window[0] <= step < self.window[1]:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.log_dir))
+            self.active = True
+
+    def after(self, step: int, state) -> None:
+        """``step``: the step just dispatched; the trace ends once step B-1 has run."""
+        if self.active and step + 1 >= self.window[1]:
+            self.stop(state)
+
+    def stop(self, state=None) -> None:
+        if not self.active:
+            return
+        if state is not None:
+            jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        self.active = False
+        log.info("profile of steps %d:%d in %s", *self.window, self.log_dir)

@@ -15,7 +15,7 @@ The loop, top to bottom (reference: ``speculators/train/trainer.py``):
   ``s`` come from ``fold_in(key(seed), s)``, so a resumed run draws the same ones;
 * every ``--log-freq`` steps a metrics record with the reference's names (JSONL,
   ``--logger`` trackers, console line) and the throughput (tokens/s, TFLOP/s per
-  device, MFU, data wait, device memory: :class:`Throughput`); validation after every
+  device, MFU, data wait, device memory: :class:`throughput.Throughput`); validation after every
   epoch (and when training stops at ``--max-steps``); Orbax checkpoints by the reference's rules
   (``--checkpoint-freq``, ``--save-best``), keeping the newest ``--keep-checkpoints``
   and the best one; resume from the latest unless ``--no-resume-from-checkpoint``;
@@ -132,75 +132,6 @@ def _run_name(template: str | None) -> str:
     }.items():
         name = name.replace(key, value)
     return name
-
-
-class Throughput:
-    """Step FLOPs of each batch (docs/math.md, "Step FLOPs") and the device peak: the
-    ``profile`` figures beyond the reference's (TFLOP/s per device, MFU, memory)."""
-
-    def __init__(self, trainer: Trainer):
-        self.cfg, self.args = trainer.cfg, trainer.args
-        self.devices = trainer.mesh.size
-        self.share = trainer.process_share
-        kinds = {d.device_kind for d in trainer.mesh.devices.flat}
-        self.peak = throughput.peak_flops(kinds.pop()) if len(kinds) == 1 else None
-
-    def step_flops(self, batch: dict[str, np.ndarray]) -> float:
-        """Model FLOPs of one step on this process's rows, times the row groups (the
-        processes, or fewer when processes share rows)."""
-        args = self.args
-        context = throughput.visible_context(
-            batch["document_ids"], batch["loss_mask"], self.cfg, args.max_anchors
-        )
-        rows = batch["document_ids"].shape[0]
-        flops = throughput.train_step_flops(
-            self.cfg,
-            rows=rows,
-            num_anchors=args.max_anchors,
-            seq_len=args.total_seq_len,
-            context=context,
-        )
-        return flops * self.share
-
-    def figures(self, flops: float, elapsed: float) -> dict[str, Any]:
-        per_device = flops / elapsed / self.devices
-        out: dict[str, Any] = {
-            "tflops_per_device": per_device / 1e12,
-            "mfu": None if self.peak is None else per_device / self.peak,
-        }
-        memory = throughput.device_memory(jax.local_devices())
-        if memory:
-            out["memory_mb"] = memory
-        return out
-
-
-class StepProfiler:
-    """``--profile-steps A:B``: ``jax.profiler`` traces steps A..B-1 into ``log_dir``
-    (``plugins/profile/<time>/<host>.xplane.pb``: TensorBoard's profile plugin, XProf,
-    Perfetto)."""
-
-    def __init__(self, window: tuple[int, int] | None, log_dir: Path):
-        self.window, self.log_dir, self.active = window, Path(log_dir), False
-
-    def before(self, step: int) -> None:
-        if self.window is not None and not self.active and self.window[0] <= step < self.window[1]:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.log_dir))
-            self.active = True
-
-    def after(self, step: int, state) -> None:
-        """``step``: the step just dispatched; the trace ends once step B-1 has run."""
-        if self.active and step + 1 >= self.window[1]:
-            self.stop(state)
-
-    def stop(self, state=None) -> None:
-        if not self.active:
-            return
-        if state is not None:
-            jax.block_until_ready(state)
-        jax.profiler.stop_trace()
-        self.active = False
-        log.info("profile of steps %d:%d in %s", *self.window, self.log_dir)
 
 
 class Trainer:
@@ -653,8 +584,10 @@ class Trainer:
         )
         run_dir = Path(args.log_dir) / _run_name(args.run_name)
         self.metrics = MetricsLog(run_dir, flags.loggers(args.values), enabled=self.is_main)
-        self.throughput = Throughput(self)
-        self.profiler = StepProfiler(flags.parse_profile_steps(args.profile_steps), run_dir)
+        self.throughput = throughput.Throughput(self.cfg, args, self.mesh, self.process_share)
+        self.profiler = throughput.StepProfiler(
+            flags.parse_profile_steps(args.profile_steps), run_dir
+        )
         self.progress = Progress(total, enabled=self.is_main)
         try:
             if self.ckpt.all_steps() and args.no_resume_from_checkpoint:
