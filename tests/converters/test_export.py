@@ -15,8 +15,8 @@ from converters.__main__ import main
 from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.check import check_folder
 from dspark_jax.convert.export import ExportError, export_checkpoint, export_params
-from dspark_jax.verifier.frozen import load_verifier_tensors
 from dspark_jax.model.params import to_speculators
+from dspark_jax.verifier.frozen import load_verifier_tensors
 from tests.converters.helpers import (
     base_config,
     make_vocab,

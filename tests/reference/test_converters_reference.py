@@ -31,7 +31,6 @@ from dspark_jax.checkpoint import orbax_io
 from dspark_jax.convert.check import check_folder
 from dspark_jax.convert.export import export_checkpoint
 from dspark_jax.convert.importer import WarmStart, import_folder
-from dspark_jax.verifier.frozen import load_verifier_tensors
 from dspark_jax.model.draft import (
     DSparkDraftModel,
     FrozenWeights,
@@ -39,6 +38,7 @@ from dspark_jax.model.draft import (
     row_loss,
 )
 from dspark_jax.model.params import to_speculators
+from dspark_jax.verifier.frozen import load_verifier_tensors
 from tests.converters.helpers import (
     base_config,
     flat_params,

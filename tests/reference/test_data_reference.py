@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from dspark_jax.data.files import PreparedDataset
 from dspark_jax.data.packing import plan_epoch
 from dspark_jax.data.pipeline import PackedData
-from dspark_jax.verifier.frozen import load_verifier_tensors
 from dspark_jax.data.vocab import build_vocab_maps, load_token_freq
+from dspark_jax.verifier.frozen import load_verifier_tensors
 
 pytestmark = pytest.mark.reference
 
