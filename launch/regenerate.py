@@ -352,6 +352,13 @@ def regenerate_chunk(
     ]
 
 
+def _differing_settings(recorded: dict, expected: dict) -> list[str]:
+    """The settings in which two runs' answers differ. The endpoint is where the model
+    was, not what it is: a restarted server at another address continues the same run."""
+    keys = set(recorded) | set(expected)
+    return sorted(k for k in keys if k != "endpoint" and recorded.get(k) != expected.get(k))
+
+
 def _read_partial(path: Path, expected: dict) -> dict[int, dict]:
     """Done conversations of an earlier run: {index: {"record" or "error"}}."""
     done: dict[int, dict] = {}
@@ -363,13 +370,7 @@ def _read_partial(path: Path, expected: dict) -> dict[int, dict]:
         header = json.loads(lines[0])
     except json.JSONDecodeError:
         raise ValueError(f"{path}: the first line is not this tool's settings") from None
-    # The endpoint is where the model was, not what it is: a restarted server on another
-    # port resumes the same run.
-    diff = sorted(
-        k
-        for k in set(header) | set(expected)
-        if k != "endpoint" and header.get(k) != expected.get(k)
-    )
+    diff = _differing_settings(header, expected)
     if diff:
         raise ValueError(
             f"{path} was written with other settings ({', '.join(diff)}): rerun with the "
@@ -390,7 +391,8 @@ def run(args: argparse.Namespace, backend: Backend | None = None) -> dict:
     partial = output.with_name(output.name + PARTIAL_SUFFIX)
     expected = settings(args, data)
     if output.exists():
-        if sidecar.is_file() and json.loads(sidecar.read_text()).get("settings") == expected:
+        recorded = json.loads(sidecar.read_text()).get("settings") if sidecar.is_file() else None
+        if isinstance(recorded, dict) and not _differing_settings(recorded, expected):
             log.info("%s is already complete (%s)", output, sidecar)
             return json.loads(sidecar.read_text())
         raise ValueError(

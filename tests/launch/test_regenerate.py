@@ -139,6 +139,8 @@ def test_resume_after_a_kill_redoes_only_the_unfinished_chunk(tmp_path):
     calls.clear()
     rg.run(_args(tmp_path), backend=echo)
     assert calls == []
+    rg.run(_args(tmp_path, "--endpoint", "http://127.0.0.1:9/v1"), backend=echo)  # moved server
+    assert calls == []
     (tmp_path / "out" / "regen.jsonl.regenerate.json").unlink()
     with pytest.raises(ValueError, match="regen.jsonl exists"):
         rg.run(_args(tmp_path), backend=echo)
