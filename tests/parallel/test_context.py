@@ -132,6 +132,52 @@ def test_attention_split_over_context_matches_one_device(W, causal):
         _assert_bounded(split, dense, bounds)
 
 
+# Planted bugs the split's bounds must catch: the shards' own arithmetic, each wrong in one
+# way a context split can be wrong.
+_SHARD_VIEW, _CHUNKS_OF = att._shard_view, att._chunks_of
+
+
+def _offset_off_by_one(k_loc, v_loc, doc_loc, ancg, cfg):
+    ctx, offset, anc_doc, ranges = _SHARD_VIEW(k_loc, v_loc, doc_loc, ancg, cfg)
+    return ctx, offset + 1, anc_doc, ranges
+
+
+def _window_stops_at_the_edge(lo, hi, offset, length, kv_chunk):
+    """A group sees only the shard holding its last visible column."""
+    return _CHUNKS_OF(jnp.maximum(lo, (hi - 1) // length * length), hi, offset, length, kv_chunk)
+
+
+def _documents_numbered_per_shard(k_loc, v_loc, doc_loc, ancg, cfg):
+    """Document ids counted from 0 on every shard: documents of different shards merge."""
+    new = jnp.concatenate([jnp.ones(1, bool), doc_loc[1:] != doc_loc[:-1]])
+    local = jnp.where(doc_loc >= 0, jnp.cumsum(new & (doc_loc >= 0)) - 1, -1).astype(doc_loc.dtype)
+    return _SHARD_VIEW(k_loc, v_loc, local, ancg, cfg)
+
+
+@pytest.mark.parametrize(
+    "name,fake",
+    [
+        ("_shard_view", _offset_off_by_one),
+        ("_chunks_of", _window_stops_at_the_edge),
+        ("_shard_view", _documents_numbered_per_shard),
+    ],
+)
+def test_planted_split_bugs_break_the_bounds(name, fake, monkeypatch):
+    W, causal = 6, True  # windows of anchors 17, 33, 50 cross shard edges at context=4
+    doc, anc = _doc(), jnp.asarray(ANCHORS, jnp.int32)
+    *xs, cot = _tensors(7, doc.shape[0], len(ANCHORS))
+    bounds = _bounds(xs, anc, doc, cot, W, causal, rel=12 * U)
+    dense = _dense_vg(W, causal, xs, anc, doc, cot)
+    monkeypatch.setattr(att, name, fake)
+    _attention_vg.cache_clear()  # trace again, with the bug
+    try:
+        split = _run(_attention_vg(W, causal), "data=2,context=4", xs, anc, doc, cot)
+    finally:
+        _attention_vg.cache_clear()
+    with pytest.raises(AssertionError):
+        _assert_bounded(split, dense, bounds)
+
+
 def _dense_vg(W, causal, xs, anc, doc, cot):
     def f(q, kc, vc, kb, vb, anc, doc):
         return att.dense_anchored_block_attention(
