@@ -9,6 +9,9 @@ hidden 8, 4 layers).
   without sample_from_anchor (the two alignments of slots and positions).
 * The drafted tokens are the drafter's own greedy tokens: each slot's argmax under the
   Markov head fed the drafted tokens is the token the next slot conditions on.
+* The step's gradient equals a dense oracle's (the loss of docs/math.md written per slot,
+  drafted tokens and targets held constant) within round-off; an oracle whose heads are fed
+  the dataset's tokens instead is hundreds of bounds away.
 * An SFT run continued with --training-stage opd trains, logs the Draft-OPD metrics and
   restarts its best validation loss; resuming it repeats it exactly.
 """
@@ -26,12 +29,12 @@ import pytest
 from flax import nnx
 
 from dspark_jax import anchors as anchor_ops
-from dspark_jax.model.draft import DSparkDraftModel
+from dspark_jax.model.draft import DSparkDraftModel, verifier_normed
 from dspark_jax.train import flags as cli
 from dspark_jax.train import trainer as train
-from dspark_jax.train.opd import opd_row_values
+from dspark_jax.train.opd import opd_row_loss, opd_row_values
 from dspark_jax.verifier import hidden_states
-from tests.numerics import U
+from tests.numerics import DRAFTER_DEPTH, U
 from tests.train.conftest import read_jsonl
 from tests.verifier.bounds import chain_depth, pack_documents, projection_sensitivity
 from tests.verifier.instep_fixtures import instep_argv
@@ -120,6 +123,90 @@ def test_targets_are_the_verifier_on_the_drafted_prefix(instep_setup, tmp_path, 
     assert differs.any()
     other = np.asarray(run(vparams, *pack_documents(teacher, LENGTH)[:3]))
     assert not within(other[rows])[differs].all()
+
+    _check_gradient(model, frozen, t, vparams, row, jnp.asarray(anchors), jnp.asarray(valid), r)
+
+
+def _oracle_slot_terms(model, frozen, cfg, settings, row, anchors, valid, prev, target_hidden):
+    """The Draft-OPD loss of docs/math.md written densely, per slot: [Q] terms that sum to
+    the row's loss, the drafted tokens ``prev`` and the targets ``target_hidden`` held as
+    constants (no gradient can reach the drafting or the verifier), the Markov and
+    confidence heads fed ``prev``. Each slot's normalisers are constants given the argmaxes."""
+    b, sfa = cfg.block_size, cfg.sample_from_anchor
+    num, hi = anchors.shape[0], jax.lax.Precision.HIGHEST
+    hidden = model(row, anchors, frozen).hidden  # [Q, H]
+    emb = model.markov_head.prev_embeddings(prev)
+    feature = model.markov_head.features(emb, hidden.reshape(num, b, -1)).reshape(num * b, -1)
+    zq = jnp.dot(hidden, frozen.lm_head, precision=hi)
+    zq = zq + jnp.dot(feature, model.markov_w2(), precision=hi)
+    target = verifier_normed(target_hidden, frozen, cfg, jnp.float32)
+    zp = jnp.dot(target, frozen.verifier_lm_head.astype(jnp.float32), precision=hi)
+    lq, lp = jax.nn.log_softmax(zq), jax.nn.log_softmax(zp)
+    q, p = jnp.exp(lq), jnp.exp(lp)
+    fkl, rkl = jnp.sum(p * (lp - lq), -1), jnp.sum(q * (lq - lp), -1)
+    accept = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p, q), -1))
+    pos = jnp.arange(num * b) % b
+    match = (jnp.argmax(zq, -1) == jnp.argmax(zp, -1)).reshape(num, b)
+    match = match | (jnp.arange(b) < (0 if sfa else 1))
+    acc_mask = jnp.cumprod(match.astype(jnp.float32), -1).reshape(-1)
+    mask = anchor_ops.slot_loss_mask(row["loss_mask"], anchors, valid, b, sfa).astype(jnp.float32)
+    accepted, rejected = acc_mask * mask, (1 - acc_mask) * mask
+    decay = settings.gamma_opd ** pos.astype(jnp.float32)
+    la, lr = settings.lambda_acc, settings.lambda_rej
+    terms = la * fkl * accepted / jnp.maximum(accepted.sum(), 1e-5)
+    terms += lr * rkl * rejected * decay / jnp.maximum((rejected * decay).sum(), 1e-5)
+    terms /= la + lr
+    feats = jnp.concatenate([hidden.reshape(num, b, -1), emb], -1)
+    conf = model.confidence_head(feats).reshape(-1)
+    bce = jnp.maximum(conf, 0) - conf * accept + jnp.log1p(jnp.exp(-jnp.abs(conf)))
+    weight = jnp.exp(-pos / settings.gamma) if sfa else (
+        jnp.exp(-jnp.maximum(pos - 1.0, 0) / settings.gamma) * (pos != 0))  # fmt: skip
+    return terms + settings.confidence_head_alpha * bce * mask * weight / (mask.sum() + 1e-8)
+
+
+def _check_gradient(model, frozen, t, vparams, row, anchors, valid, r):
+    """The step's Draft-OPD gradient (opd_row_values -> opd_row_loss) equals the dense
+    oracle's. Both sum the same per-slot terms in other orders: per leaf, within
+    2 depth u of the slots' absolute gradients (tests/parallel/test_context.py's bound;
+    depth: the drafter's chain, tests.numerics.DRAFTER_DEPTH, plus the vocabulary sums).
+    Planted: the Markov and confidence heads fed the dataset's tokens instead."""
+    cfg, settings = t.cfg, t.settings
+    assert cfg.enable_confidence_head and cfg.confidence_head_with_markov
+    assert cfg.markov_head_type == "vanilla" and cfg.verifier_logit_softcapping is None
+    maps = t.setup.vocab_maps
+    d2t = None if maps is None else jnp.asarray(maps[0])
+    graphdef, params = nnx.split(model, nnx.Param)
+    prev, target = jnp.asarray(r.prev), jnp.asarray(r.target_hidden)
+
+    def step_loss(p):
+        m = nnx.merge(graphdef, p)
+        v = opd_row_values(m, frozen, t.instep, vparams, row, anchors, valid, settings,
+                           jax.random.key(0), d2t)  # fmt: skip
+        return opd_row_loss(v, cfg, settings)[0]
+
+    def oracle(p, prev):
+        m = nnx.merge(graphdef, p)
+        return _oracle_slot_terms(m, frozen, cfg, settings, row, anchors, valid, prev, target)
+
+    loss, got = jax.jit(jax.value_and_grad(step_loss))(params)
+    total, want = jax.jit(jax.value_and_grad(lambda p: oracle(p, prev).sum()))(params)
+    per_slot = jax.jit(jax.jacrev(oracle))(params, prev)
+    depth = DRAFTER_DEPTH + 2 * frozen.lm_head.shape[-1]
+    teacher = anchor_ops.previous_tokens(row["input_ids"], anchors, cfg.block_size,
+                                         cfg.sample_from_anchor)  # fmt: skip
+    assert (np.asarray(teacher) != np.asarray(prev)).any()
+    planted = jax.jit(jax.grad(lambda p: oracle(p, teacher).sum()))(params)
+    terms = np.abs(np.asarray(jax.jit(oracle)(params, prev), np.float64))
+    assert abs(float(loss) - float(total)) <= 2 * depth * U * terms.sum()
+    caught = []
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(got)]
+    leaves = (jax.tree.leaves(x) for x in (got, want, per_slot, planted))
+    for path, a, b, slots, bad in zip(paths, *leaves, strict=True):
+        a, b, bad = (np.asarray(x, np.float64) for x in (a, b, bad))
+        bound = 2 * depth * U * np.linalg.norm(np.abs(np.asarray(slots, np.float64)).sum(0))
+        assert np.linalg.norm(a - b) <= bound, (path, np.linalg.norm(a - b), bound)
+        caught.append(np.linalg.norm(bad - b) > bound)
+    assert any(caught), "feeding the heads the dataset's tokens changed no gradient"
 
 
 def test_sft_then_opd_trains_and_resumes_exactly(instep_setup, instep_trained, tmp_path, caplog):
