@@ -279,7 +279,18 @@ def _derive_defaults(args: TrainArgs) -> None:
 
 
 def validate(args: TrainArgs) -> None:
-    """Reference validations, unsupported features, conflicts; raises ConfigError."""
+    """Reference validations, unsupported features, conflicts; raises ConfigError. One
+    function per concern, in the order a user meets them."""
+    _validate_model(args)
+    _validate_hidden_states(args)
+    _validate_schedule(args.values)
+    _validate_objective(args)
+    _validate_logging(args.values)
+    _validate_processes(args.values)
+
+
+def _validate_model(args: TrainArgs) -> None:
+    """The speculator, the verifier and the draft decoder's definition."""
     v = args.values
     if v["speculator_type"] != SPECULATOR_TYPE:
         raise ConfigError(
@@ -303,91 +314,6 @@ def validate(args: TrainArgs) -> None:
         raise ConfigError(
             f"--draft-hidden-act {v['draft_hidden_act']}: dspark_jax's draft MLP is SiLU only"
         )
-    if v["hidden_states_dtype"] == "float16":
-        raise ConfigError(
-            "hidden_states_dtype float16 is not supported (requires gradient scaling); use bfloat16."
-        )
-    if v["hidden_states_dtype"] not in ("bfloat16", "float32"):
-        raise ConfigError(
-            f"--hidden-states-dtype must be bfloat16 or float32, got {v['hidden_states_dtype']!r}"
-        )
-    if v["checkpoint_freq"] <= 0:
-        raise ConfigError("--checkpoint-freq must be > 0")
-    if v["checkpoint_freq"] > 1 and not float(v["checkpoint_freq"]).is_integer():
-        raise ConfigError(
-            f"--checkpoint-freq={v['checkpoint_freq']} is not an integer. Values > 1 are "
-            "treated as epoch counts and must be whole numbers."
-        )
-    if v["max_steps"] is not None and v["max_steps"] < 1:
-        raise ConfigError("--max-steps must be >= 1")
-    if v["generation_validation_retries"] < 0:
-        raise ConfigError("--generation-validation-retries must be >= 0")
-    if v["max_consecutive_generation_failures"] <= 0:
-        raise ConfigError("--max-consecutive-generation-failures must be > 0")
-    for dest in (
-        "epochs",
-        "log_freq",
-        "total_seq_len",
-        "max_anchors",
-        "loss_chunk_tokens",
-        "keep_checkpoints",
-        "block_size",
-    ):
-        if v[dest] is None or v[dest] < 1:
-            raise ConfigError(f"{BY_DEST[dest].flag} must be >= 1, got {v[dest]}")
-    if not 0.0 < v["train_data_ratio"] < 1.0:
-        raise ConfigError(f"--train-data-ratio must be in (0, 1), got {v['train_data_ratio']}")
-    if v["num_workers"] < 0 or v["prefetch_factor"] < 0:
-        raise ConfigError("--num-workers and --prefetch-factor must be >= 0")
-    if v["compile_for"] is not None:
-        if not v["dry_run"]:
-            raise ConfigError(
-                f"--compile-for {v['compile_for']} compiles the steps without training: add "
-                "--dry-run"
-            )
-        from dspark_jax.train.compile_target import parse
-
-        parse(v["compile_for"])
-    if v["rows_per_step"] is not None and v["rows_per_step"] < 1:
-        raise ConfigError(f"--rows-per-step must be >= 1, got {v['rows_per_step']}")
-    from dspark_jax.losses import parse_loss_fn
-
-    try:
-        parse_loss_fn(v["loss_fn"])
-    except ValueError as e:
-        raise ConfigError(f"--loss-fn: {e}") from None
-    if v["per_position_loss_weight"] == "dpace":
-        if v["loss_fn"] != "ce":
-            raise ConfigError("--per-position-loss-weight=dpace requires --loss-fn=ce")
-        if not 0.0 < v["dpace_alpha"] <= 1.0:
-            raise ConfigError(f"--dpace-alpha must be in (0, 1], got {v['dpace_alpha']}")
-    if v["per_position_loss_weight"] == "dpard":
-        if parse_loss_fn(v["loss_fn"]) != {"renyi_half": 1.0}:
-            raise ConfigError("--per-position-loss-weight=dpard requires --loss-fn=renyi_half")
-        if not 0.0 < v["dpard_alpha"] < 1.0:
-            raise ConfigError(f"--dpard-alpha must be in (0, 1), got {v['dpard_alpha']}")
-    if v["training_stage"] == "opd":
-        if v["hidden_states_backend"] != "jax":
-            raise ConfigError(
-                "--training-stage opd needs --hidden-states-backend jax: the targets of the "
-                "drafter's own blocks come from the verifier run in the step (got "
-                f"--hidden-states-backend {v['hidden_states_backend']})"
-            )
-        if not 0.0 < v["gamma_opd"] <= 1.0:
-            raise ConfigError(f"--gamma-opd must be in (0, 1], got {v['gamma_opd']}")
-        if min(v["lambda_acc"], v["lambda_rej"]) < 0 or v["lambda_acc"] + v["lambda_rej"] <= 0:
-            raise ConfigError(
-                f"--lambda-acc {v['lambda_acc']} and --lambda-rej {v['lambda_rej']} must be "
-                ">= 0 with a positive sum"
-            )
-    else:
-        given = [
-            BY_DEST[d].flag
-            for d in ("gamma_opd", "lambda_acc", "lambda_rej", "opd_drafting")
-            if args.provided(d)
-        ]
-        if given:
-            raise ConfigError(f"{', '.join(given)} only apply with --training-stage opd")
     # Draft-init contract (resolution._validate_draft_init).
     shaping = [BY_DEST[d].flag for d in DECODER_SHAPING if args.provided(d)]
     if v["from_pretrained"]:
@@ -403,7 +329,19 @@ def validate(args: TrainArgs) -> None:
             "--draft-config defines the draft decoder, so these flags conflict with it "
             "(remove them): " + ", ".join(shaping)
         )
-    _validate_logging(v)
+
+
+def _validate_hidden_states(args: TrainArgs) -> None:
+    """Where the hidden states come from: the backend's own flags, online generation."""
+    v = args.values
+    if v["hidden_states_dtype"] == "float16":
+        raise ConfigError(
+            "hidden_states_dtype float16 is not supported (requires gradient scaling); use bfloat16."
+        )
+    if v["hidden_states_dtype"] not in ("bfloat16", "float32"):
+        raise ConfigError(
+            f"--hidden-states-dtype must be bfloat16 or float32, got {v['hidden_states_dtype']!r}"
+        )
     if v["hidden_states_backend"] != "mooncake":
         given = [f.flag for f in FLAGS if f.dest.startswith("mooncake_") and args.provided(f.dest)]
         if given:
@@ -450,6 +388,96 @@ def validate(args: TrainArgs) -> None:
             FutureWarning,
             stacklevel=2,
         )
+
+
+def _validate_schedule(v: dict[str, Any]) -> None:
+    """Steps, epochs, checkpoints, data split and loader, --compile-for."""
+    if v["checkpoint_freq"] <= 0:
+        raise ConfigError("--checkpoint-freq must be > 0")
+    if v["checkpoint_freq"] > 1 and not float(v["checkpoint_freq"]).is_integer():
+        raise ConfigError(
+            f"--checkpoint-freq={v['checkpoint_freq']} is not an integer. Values > 1 are "
+            "treated as epoch counts and must be whole numbers."
+        )
+    if v["max_steps"] is not None and v["max_steps"] < 1:
+        raise ConfigError("--max-steps must be >= 1")
+    if v["generation_validation_retries"] < 0:
+        raise ConfigError("--generation-validation-retries must be >= 0")
+    if v["max_consecutive_generation_failures"] <= 0:
+        raise ConfigError("--max-consecutive-generation-failures must be > 0")
+    for dest in (
+        "epochs",
+        "log_freq",
+        "total_seq_len",
+        "max_anchors",
+        "loss_chunk_tokens",
+        "keep_checkpoints",
+        "block_size",
+    ):
+        if v[dest] is None or v[dest] < 1:
+            raise ConfigError(f"{BY_DEST[dest].flag} must be >= 1, got {v[dest]}")
+    if not 0.0 < v["train_data_ratio"] < 1.0:
+        raise ConfigError(f"--train-data-ratio must be in (0, 1), got {v['train_data_ratio']}")
+    if v["num_workers"] < 0 or v["prefetch_factor"] < 0:
+        raise ConfigError("--num-workers and --prefetch-factor must be >= 0")
+    if v["compile_for"] is not None:
+        if not v["dry_run"]:
+            raise ConfigError(
+                f"--compile-for {v['compile_for']} compiles the steps without training: add "
+                "--dry-run"
+            )
+        from dspark_jax.train.compile_target import parse
+
+        parse(v["compile_for"])
+    if v["rows_per_step"] is not None and v["rows_per_step"] < 1:
+        raise ConfigError(f"--rows-per-step must be >= 1, got {v['rows_per_step']}")
+
+
+def _validate_objective(args: TrainArgs) -> None:
+    """The loss, its per-position weighting and the Draft-OPD stage."""
+    v = args.values
+    from dspark_jax.losses import parse_loss_fn
+
+    try:
+        parse_loss_fn(v["loss_fn"])
+    except ValueError as e:
+        raise ConfigError(f"--loss-fn: {e}") from None
+    if v["per_position_loss_weight"] == "dpace":
+        if v["loss_fn"] != "ce":
+            raise ConfigError("--per-position-loss-weight=dpace requires --loss-fn=ce")
+        if not 0.0 < v["dpace_alpha"] <= 1.0:
+            raise ConfigError(f"--dpace-alpha must be in (0, 1], got {v['dpace_alpha']}")
+    if v["per_position_loss_weight"] == "dpard":
+        if parse_loss_fn(v["loss_fn"]) != {"renyi_half": 1.0}:
+            raise ConfigError("--per-position-loss-weight=dpard requires --loss-fn=renyi_half")
+        if not 0.0 < v["dpard_alpha"] < 1.0:
+            raise ConfigError(f"--dpard-alpha must be in (0, 1), got {v['dpard_alpha']}")
+    if v["training_stage"] == "opd":
+        if v["hidden_states_backend"] != "jax":
+            raise ConfigError(
+                "--training-stage opd needs --hidden-states-backend jax: the targets of the "
+                "drafter's own blocks come from the verifier run in the step (got "
+                f"--hidden-states-backend {v['hidden_states_backend']})"
+            )
+        if not 0.0 < v["gamma_opd"] <= 1.0:
+            raise ConfigError(f"--gamma-opd must be in (0, 1], got {v['gamma_opd']}")
+        if min(v["lambda_acc"], v["lambda_rej"]) < 0 or v["lambda_acc"] + v["lambda_rej"] <= 0:
+            raise ConfigError(
+                f"--lambda-acc {v['lambda_acc']} and --lambda-rej {v['lambda_rej']} must be "
+                ">= 0 with a positive sum"
+            )
+    else:
+        given = [
+            BY_DEST[d].flag
+            for d in ("gamma_opd", "lambda_acc", "lambda_rej", "opd_drafting")
+            if args.provided(d)
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply with --training-stage opd")
+
+
+def _validate_processes(v: dict[str, Any]) -> None:
+    """The multi-process launch: explicit coordinates go together."""
     if (v["num_processes"] is None) != (v["process_id"] is None) or (
         v["num_processes"] is not None and v["coordinator_address"] is None
     ):
