@@ -307,6 +307,14 @@ def shard_take(xs: jax.Array, idx: jax.Array) -> jax.Array:
     rows = jnp.where(mine, xs[jnp.clip(i, 0, n - 1)], jnp.zeros((), xs.dtype))
     if rows.dtype == jnp.bool_:
         return jax.lax.psum(rows.astype(jnp.int32), CONTEXT_AXIS).astype(jnp.bool_)
+    if jnp.issubdtype(rows.dtype, jnp.floating):
+        # The bit patterns are summed as unsigned integers of the same width: one term is
+        # the row, the others +0.0 (all bits 0), so the sum is the row bit for bit (-0.0
+        # and NaN included) at the same bytes. A bf16 psum here would abort XLA's CPU
+        # compiler (docs/xla_cpu_bf16_psum.md).
+        bits = jnp.dtype(f"uint{8 * rows.dtype.itemsize}")
+        summed = jax.lax.psum(jax.lax.bitcast_convert_type(rows, bits), CONTEXT_AXIS)
+        return jax.lax.bitcast_convert_type(summed, rows.dtype)
     return jax.lax.psum(rows, CONTEXT_AXIS)
 
 

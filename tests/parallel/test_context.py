@@ -105,12 +105,22 @@ def test_global_batch_puts_whole_rows_of_one_process_on_the_mesh():
         parallel.global_batch(local, mesh, 8)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("spec", MESHES)
-def test_sequence_take(spec):
-    x = jnp.arange(64 * 3, dtype=jnp.float32).reshape(64, 3)
+def test_sequence_take(spec, dtype):
+    """Exact in any float dtype, -0.0 and NaN included. bf16 is the hidden states' default:
+    its psum in a shard_map manual over some mesh axes aborted XLA's CPU compiler
+    (docs/xla_cpu_bf16_psum.md)."""
+    x = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    x[16, 0], x[17, 1] = -0.0, np.nan
+    x = jnp.asarray(x, dtype)
     idx = jnp.asarray([0, 15, 16, 17, 63, 31, 32, 5], jnp.int32)
     got = _run(jax.jit(parallel.sequence_take), spec, x, idx)
-    np.testing.assert_array_equal(got, np.asarray(x)[np.asarray(idx)])  # exact: one term
+    want = np.asarray(x)[np.asarray(idx)]
+    assert got.dtype == want.dtype
+    # Bit for bit (one term per row): compared as integers, so -0.0 and NaN count too.
+    bits = f"uint{8 * want.dtype.itemsize}"
+    np.testing.assert_array_equal(got.view(bits), want.view(bits))
 
 
 @pytest.mark.parametrize("W,causal", CONFIGS)
