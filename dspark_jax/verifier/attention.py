@@ -18,6 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax import parallel
 
 _F32 = jnp.float32
 _MASKED_MAX = -1e30  # finite running-max start: a chunk with no visible key gives p = 0, not NaN
@@ -55,31 +58,75 @@ def document_causal_attention(
 ) -> jax.Array:
     """q [S, Nh, D], k/v [S, Nkv, D], document_ids [S] int (-1 = padding, attends to
     padding only) -> [S, Nh, D] in q's dtype. GQA: query head h reads kv head h // (Nh/Nkv).
-    Peak temporaries O(q_block * Nh * kv_chunk)."""
+    Peak temporaries O(q_block * Nh * kv_chunk).
+
+    Under a mesh whose ``context`` axis splits the row (``parallel.context_size() > 1``)
+    each device keeps its shard of the queries and gathers the layer's keys, values and
+    documents (see :func:`_split_attention`)."""
     S, Nh, D = q.shape
     Nkv = k.shape[1]
     if k.shape != (S, Nkv, D) or v.shape != k.shape or document_ids.shape != (S,) or Nh % Nkv:
         raise ValueError(
             f"bad shapes: q {q.shape}, k {k.shape}, v {v.shape}, document_ids {document_ids.shape}"
         )
-    R, Bq, C = Nh // Nkv, min(q_block, S), min(kv_chunk, S)
-    n_q, n_kv = -(-S // Bq), -(-S // C)
-    pad_q, pad_kv = n_q * Bq - S, n_kv * C - S
+    opts = dict(scale=scale, sliding_window=sliding_window, softcap=softcap,
+                q_block=q_block, kv_chunk=kv_chunk)  # fmt: skip
+    if parallel.context_size() > 1:
+        return _split_attention(q, k, v, document_ids.astype(jnp.int32), **opts)
     doc = document_ids.astype(jnp.int32)
-    start = document_starts(doc)
+    return _attend(q, k, v, doc, doc, jnp.int32(0), document_starts(doc), **opts)
+
+
+# Context split (docs/design.md, "In-step verifier under a context split"): shard s of C
+# holds query rows [s L, (s + 1) L). Per layer it all-gathers the row's keys, values and
+# document ids (the keys a causal query can need lie anywhere before it) and runs the same
+# blocked online softmax over the chunks its queries see, with global positions. No
+# activation [S, H] is gathered; the transient per layer is the row's K and V.
+
+
+def _shard_keys(k, v, doc):
+    """Inside the shard_map: the row's keys, values and documents gathered, and the
+    global position of this shard's first query."""
+    axis = parallel.CONTEXT_AXIS
+    offset = lax.axis_index(axis).astype(jnp.int32) * k.shape[0]
+    gathered = (lax.all_gather(x, axis, axis=0, tiled=True) for x in (k, v, doc))
+    return *gathered, offset
+
+
+def _split_attention(q, k, v, doc, **opts):
+    def shard(q, k, v, doc_q):
+        k_all, v_all, doc_all, offset = _shard_keys(k, v, doc_q)
+        start = lax.dynamic_slice_in_dim(document_starts(doc_all), offset, q.shape[0])
+        return _attend(q, k_all, v_all, doc_q, doc_all, offset, start, **opts)
+
+    seq = P(parallel.CONTEXT_AXIS)
+    return parallel.context_shard_map(shard, (seq, seq, seq, seq), seq)(q, k, v, doc)
+
+
+def _attend(q, k, v, doc_q, doc_k, offset, start, *, scale, sliding_window, softcap,
+            q_block, kv_chunk):  # fmt: skip
+    """Queries q [T, Nh, D] at global rows offset .. offset + T - 1 (documents doc_q, their
+    documents' first rows ``start``, [T]) over the keys k/v [S, Nkv, D] at rows 0 .. S - 1
+    (documents doc_k [S])."""
+    T, Nh, D = q.shape
+    S, Nkv = k.shape[:2]
+    R, Bq, C = Nh // Nkv, min(q_block, T), min(kv_chunk, S)
+    n_q, n_kv = -(-T // Bq), -(-S // C)
+    pad_q, pad_kv = n_q * Bq - T, n_kv * C - S
+    pos = offset + jnp.arange(T, dtype=jnp.int32)
     if sliding_window is not None:
-        start = jnp.maximum(start, jnp.arange(S, dtype=jnp.int32) - (sliding_window - 1))
+        start = jnp.maximum(start, pos - (sliding_window - 1))
     # Padded query rows get an empty-free range (they see their own padded block only).
     start_q = jnp.pad(start, (0, pad_q), constant_values=S).reshape(n_q, Bq)
     first = start_q.min(axis=1) // C
-    last = jnp.minimum((jnp.arange(n_q) + 1) * Bq - 1, S - 1) // C + 1
+    last = jnp.minimum(offset + (jnp.arange(n_q) + 1) * Bq - 1, offset + T - 1) // C + 1
     ranges = jnp.stack([jnp.minimum(first, last - 1), last], axis=-1).astype(jnp.int32)
 
     qg = jnp.pad(q, ((0, pad_q), (0, 0), (0, 0))).reshape(n_q, Bq, Nkv, R, D)
-    pos_q = jnp.arange(n_q * Bq, dtype=jnp.int32).reshape(n_q, Bq)
-    doc_q = jnp.pad(doc, (0, pad_q), constant_values=-2).reshape(n_q, Bq)
+    pos_q = jnp.pad(pos, (0, pad_q), constant_values=S).reshape(n_q, Bq)
+    doc_q = jnp.pad(doc_q, (0, pad_q), constant_values=-2).reshape(n_q, Bq)
     kp, vp = (jnp.pad(x, ((0, pad_kv), (0, 0), (0, 0))) for x in (k, v))
-    doc_k = jnp.pad(doc, (0, pad_kv), constant_values=-3)
+    doc_k = jnp.pad(doc_k, (0, pad_kv), constant_values=-3)
     cd = q.dtype
 
     def block(xs):
@@ -112,7 +159,7 @@ def document_causal_attention(
         return acc / jnp.where(l > 0, l, 1.0)[..., None]  # l = 0 only on padded query rows
 
     out = lax.map(block, (qg, pos_q, doc_q, ranges))
-    return out.reshape(n_q * Bq, Nh, D)[:S].astype(q.dtype)
+    return out.reshape(n_q * Bq, Nh, D)[:T].astype(q.dtype)
 
 
 def dense_document_causal_attention(

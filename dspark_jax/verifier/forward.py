@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import parallel
 from dspark_jax.model.attention import anchored_block_attention
 from dspark_jax.model.layers import (
     apply_rope,
@@ -279,14 +280,16 @@ def hidden_states(
         jnp.asarray, (input_ids, position_ids, document_ids)
     )
     out_dtype = params["embed_tokens.weight"].dtype if out_dtype is None else out_dtype
-    x = _embed(cfg, params, input_ids)
+    x = parallel.constrain_tokens(_embed(cfg, params, input_ids))
     ropes = rope_for_row(cfg, position_ids, document_ids)
     opts = (dense_attention, q_block, kv_chunk)
     kinds = [cfg.kind(i) for i in range(cfg.num_hidden_layers)]
     captured = [x] if 0 in layer_ids else []
 
     def layer_fn(kind, lp, x):
-        return _layer(cfg, kind, lp, x, ropes, document_ids, opts)
+        # Under a context split every per-token array stays split (the attention gathers
+        # only keys and values): docs/design.md, "In-step verifier under a context split".
+        return parallel.constrain_tokens(_layer(cfg, kind, lp, x, ropes, document_ids, opts))
 
     lo = 0
     for hi in (i for i in layer_ids if i > 0):
@@ -308,7 +311,10 @@ def batch_hidden_states(params: Params, cfg: VerifierConfig, batch: dict, layer_
     rows = (batch["input_ids"], batch["position_ids"], batch["document_ids"])
     if cfg.num_experts:
         return jax.lax.map(lambda r: hidden_states(params, cfg, *r, layer_ids, **kw), rows)
-    return jax.vmap(lambda *r: hidden_states(params, cfg, *r, layer_ids, **kw))(*rows)
+    return jax.vmap(
+        lambda *r: hidden_states(params, cfg, *r, layer_ids, **kw),
+        spmd_axis_name=parallel.row_vmap_axes(),  # the attention's shard_map takes its rows
+    )(*rows)
 
 
 def drafted_blocks_supported(cfg: VerifierConfig) -> str | None:

@@ -54,19 +54,21 @@ def packed_row():
 class Case:
     """One family: HF reference, our params, the projection bound (computed once)."""
 
-    def __init__(self, name, folder):
+    def __init__(self, name, folder, row=None):
+        """row: (documents, ids, positions, document ids) of the packed row (packed_row())."""
         self.name = name
         model = build(name, folder)
         self.folder = folder
         self.cfg = load_verifier_config(folder)
         self.params = load_params(folder, self.cfg, dtype=jnp.float32)
-        self.docs, self.ids, self.pos, self.doc = packed_row()
+        self.docs, self.ids, self.pos, self.doc = packed_row() if row is None else row
         ref = np.concatenate([hf_hidden_states(model, d, LAYER_IDS) for d in self.docs])
         self.n = ref.shape[0]
         self.ref = ref
         self.c = np.random.default_rng(2).standard_normal(ref.shape).astype(np.float32)
         self.sens = self._sensitivity()
-        depth = np.array([chain_depth(self.cfg, k, max(DOC_LENGTHS)) for k in LAYER_IDS])
+        longest = max(len(d) for d in self.docs)
+        depth = np.array([chain_depth(self.cfg, k, longest) for k in LAYER_IDS])
         self.bound = 2 * depth[None] * U * self.sens
 
     def run(self, cfg=None, params=None, **kw):
