@@ -10,7 +10,9 @@ rules that keep a broken install from passing with fewer tests.
   test (compiles for GPUs: the ``cuda-compile`` extra), a skipped ``vllm`` test
   (vLLM 0.33.0 itself, in the separate environment named by ``DSPARK_VLLM_PYTHON``),
   a skipped ``served`` test (llama.cpp's server, built from the pinned sdist and named
-  by ``DSPARK_LLAMA_SERVER``),
+  by ``DSPARK_LLAMA_SERVER``), a skipped ``sglang_jax`` test (the vendored sglang-jax
+  subset in third_party/sglang_jax and its venv, named by ``DSPARK_SGLANG_JAX_SRC`` and
+  ``DSPARK_SGLANG_JAX_PYTHON``),
   a skip for a machine CI is sized for (fewer than 8 simulated devices, ``srun`` on
   PATH) or for a tracker the ``loggers`` extra installs (:data:`CI_NEVER_SKIPS`),
   and a test module skipped whole: CI installs every extra, so a skip there means a
@@ -125,6 +127,12 @@ def _item_skip_is_failure(item: pytest.Item, reason: str) -> str | None:
         return (
             "a test marked 'served' was skipped under CI=true (.ci/run builds llama-server "
             "and names it in DSPARK_LLAMA_SERVER)"
+        )
+    if CI and item.get_closest_marker("sglang_jax"):
+        return (
+            "a test marked 'sglang_jax' was skipped under CI=true (.ci/run builds its venv "
+            "with launch/engines/build_sglang_jax_venv.sh and sets DSPARK_SGLANG_JAX_PYTHON "
+            "and DSPARK_SGLANG_JAX_SRC)"
         )
     if CI and item.get_closest_marker("mooncake"):
         # the wheel (dev extra) always installs; only its system library may be missing

@@ -1,8 +1,12 @@
 """Our sglang-jax exports through sglang-jax's own DSpark model class on the JAX CPU
-backend, in a separate environment (sglang-jax needs Python >= 3.12 and transformers
-4.57; it is not a dependency here and not in CI). Set ``DSPARK_SGLANG_JAX_PYTHON`` to that
-environment's python and ``DSPARK_SGLANG_JAX_SRC`` to the ``python/`` folder of an
-sglang-jax checkout holding ``sgl_jax/srt/models/dspark.py`` (README, "sglang-jax").
+backend, in a separate environment (jax 0.10.2, flax 0.12.4, transformers 4.57; sglang-jax
+is not a dependency here). ``DSPARK_SGLANG_JAX_SRC`` names the ``python/`` folder holding
+``sgl_jax/srt/models/dspark.py``: the vendored subset ``third_party/sglang_jax/python``
+(54 unmodified files of two pinned upstream commits, used only here; its README) or an
+sglang-jax checkout. ``DSPARK_SGLANG_JAX_PYTHON`` names that environment's python:
+``launch/engines/build_sglang_jax_venv.sh`` builds it from the hashed
+``third_party/sglang_jax/requirements-cp311.lock`` and prints it. CI (.ci/run) does both
+and runs this module; there a skip fails (tests/conftest.py). README, "sglang-jax".
 
 A good folder loads (config through ``ModelConfig``/``AutoConfig``, every tensor through
 ``WeightLoader``) and its forward pieces equal a numpy oracle of the same formulas

@@ -1,0 +1,1 @@
+from sgl_jax.version import __version__  # noqa: F401

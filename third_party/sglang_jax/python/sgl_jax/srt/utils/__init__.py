@@ -1,0 +1,20 @@
+# ruff: noqa: F401
+from .common_utils import (
+    ConcurrentCounter,
+    RWLock,
+    add_api_key_middleware,
+    add_prometheus_middleware,
+    cdiv,
+    configure_logger,
+    dataclass_to_string_truncated,
+    delete_directory,
+    get_bool_env_var,
+    get_zmq_socket,
+    kill_itself_when_parent_died,
+    kill_process_tree,
+    launch_dummy_health_check_server,
+    prepare_model_and_tokenizer,
+    set_prometheus_multiproc_dir,
+    set_ulimit,
+    set_uvicorn_logging_configs,
+)
