@@ -35,3 +35,21 @@ def test_a_broken_machine_skip_fails_only_under_ci(monkeypatch, reason):
 def test_an_optional_skip_stays_a_skip_under_ci(monkeypatch):
     monkeypatch.setattr(conftest, "CI", True)
     assert conftest._item_skip_is_failure(_Item(), "needs a CUDA GPU") is None
+
+
+class _Marked(_Item):
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def get_closest_marker(self, name):
+        return object() if name == self.marker else None
+
+
+@pytest.mark.parametrize("marker", ["vllm", "served", "sglang_jax", "tpu", "cuda_compile"])
+def test_an_engine_test_skip_fails_only_under_ci(monkeypatch, marker):
+    """The engines' tests (their venvs and servers built by .ci/run) may not skip in CI."""
+    monkeypatch.setattr(conftest, "CI", True)
+    why = conftest._item_skip_is_failure(_Marked(marker), "DSPARK_X_PYTHON is not set")
+    assert why is not None and f"'{marker}'" in why
+    monkeypatch.setattr(conftest, "CI", False)
+    assert conftest._item_skip_is_failure(_Marked(marker), "DSPARK_X_PYTHON is not set") is None
