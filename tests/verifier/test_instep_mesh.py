@@ -1,0 +1,75 @@
+"""``--hidden-states-backend jax`` executed on 8 simulated CPU devices (issue 41): the
+in-step runs of tests/verifier/instep_fixtures.py (a random HF Qwen3 verifier, fp32) on
+meshes that shard the verifier and the drafter (fsdp, fsdp x tensor, data x fsdp), split
+rows over ``context`` (2, 4 and 8 devices: the verifier's context split, verifier/
+attention.py), and a Qwen3-MoE verifier with its expert tensors sharded. Each run's
+training losses, accept_len and validation losses equal the one-device run's on the same
+batches (tests/train/conftest.py's LOSS_RTOL: the same fp32 sums in other orders)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax.train import flags as cli
+from dspark_jax.train import trainer as train
+from tests.train.conftest import LOSS_RTOL, read_jsonl
+from tests.verifier.instep_fixtures import SHAPE, instep_argv
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+RUN = dict(rows_per_step=8, epochs=2)  # 8 rows: every mesh below takes the same batches
+MESHES = [
+    "fsdp=8",
+    "data=2,fsdp=2,tensor=2",
+    "data=2,fsdp=2,context=2",
+    "fsdp=2,context=4",
+    "context=8",
+]
+
+
+def _run(setup, out, mesh=None):
+    argv = instep_argv(setup, out, **RUN, mesh=mesh)
+    devices = jax.devices()[:1] if mesh is None else None
+    assert train.run(cli.resolve(argv), devices=devices) == 0
+    records = read_jsonl(out / "logs" / "run" / "metrics.jsonl")
+    train_rows = [r["train"] for r in records if "train" in r]
+    return {
+        "loss": [r["loss"] for r in train_rows],
+        "accept_len": [r["accept_len"] for r in train_rows],
+        "val": [r["val"]["loss_epoch"] for r in records if "val" in r],
+    }
+
+
+def _assert_equal_runs(got, want):
+    assert len(got["loss"]) == len(want["loss"]) >= 2 and len(got["val"]) == 2
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=LOSS_RTOL, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_device(instep_setup, tmp_path_factory):
+    return _run(instep_setup, tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_instep_run_on_a_mesh_equals_one_device(instep_setup, one_device, tmp_path, mesh):
+    _assert_equal_runs(_run(instep_setup, tmp_path, mesh), one_device)
+
+
+@pytest.fixture(scope="module")
+def moe_setup(instep_setup, tmp_path_factory):
+    """The same data with a Qwen3-MoE verifier of the same shape (4 experts, top 2)."""
+    from tests.verifier.hf_models import build
+
+    root, _, data = instep_setup
+    moe_root = tmp_path_factory.mktemp("moe")
+    model = build("qwen3_moe", moe_root / "verifier", **SHAPE)
+    return moe_root, model, data
+
+
+def test_moe_verifier_with_sharded_experts_equals_one_device(moe_setup, tmp_path):
+    """Expert tensors [E, 2I, H] and [E, H, I] split over fsdp (H) and tensor (I)."""
+    one = _run(moe_setup, tmp_path / "one")
+    _assert_equal_runs(_run(moe_setup, tmp_path / "mesh", "fsdp=4,tensor=2"), one)
