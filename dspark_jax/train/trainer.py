@@ -313,7 +313,8 @@ class Trainer:
             if verifier is None:
                 return frozen, None, batch
             frozen, vparams = frozen
-            return frozen, vparams, verifier.fill(vparams, batch)
+            with parallel.tracing_mesh(self.mesh):  # the verifier reads the context split too
+                return frozen, vparams, verifier.fill(vparams, batch)
 
         def objective(params, frozen, vparams, batch, key):
             """The stage's loss and metrics; the model reads the mesh's context split."""

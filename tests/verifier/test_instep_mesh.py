@@ -14,6 +14,7 @@ import pytest
 
 from dspark_jax.train import flags as cli
 from dspark_jax.train import trainer as train
+from dspark_jax.verifier import attention as vatt
 from tests.train.conftest import LOSS_RTOL, read_jsonl
 from tests.verifier.instep_fixtures import SHAPE, instep_argv
 
@@ -54,8 +55,14 @@ def one_device(instep_setup, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_instep_run_on_a_mesh_equals_one_device(instep_setup, one_device, tmp_path, mesh):
+def test_instep_run_on_a_mesh_equals_one_device(
+    instep_setup, one_device, tmp_path, mesh, monkeypatch
+):
+    split = []  # the verifier's attention traced with the row's tokens split
+    real = vatt._split_attention
+    monkeypatch.setattr(vatt, "_split_attention", lambda *a, **k: split.append(1) or real(*a, **k))
     _assert_equal_runs(_run(instep_setup, tmp_path, mesh), one_device)
+    assert bool(split) == ("context" in mesh)
 
 
 @pytest.fixture(scope="module")
