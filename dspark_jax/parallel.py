@@ -11,6 +11,7 @@ a TPU pod run the same code.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 
@@ -250,10 +251,18 @@ def process_rows(
     return tuple(i for a, b in row_shards for i in range(a, b)), (lo, hi)
 
 
-def row_vmap_axes() -> tuple[str, ...] | None:
+def row_vmap_axes(rows: int | None = None) -> tuple[str, ...] | None:
     """``spmd_axis_name`` of the vmap over a batch's rows: the batch axes when the row's
-    tokens are split over context (see context_shard_map), else None."""
-    return BATCH_AXES if context_size() > 1 else None
+    tokens are split over context (see context_shard_map), else None. Also None for a
+    batch of ``rows`` the batch axes cannot split (eval's one row at a time: replicated
+    over them, each device of a batch group computes it)."""
+    if context_size() == 1:
+        return None
+    if rows is not None:
+        shape = jax.sharding.get_abstract_mesh().shape
+        if rows % math.prod(shape[a] for a in BATCH_AXES):
+            return None
+    return BATCH_AXES
 
 
 def constrain_tokens(x: jax.Array) -> jax.Array:

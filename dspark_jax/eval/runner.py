@@ -30,7 +30,9 @@ folds into the confidence head), and PNG plots
 ``calibration_{sampled,greedy}.png`` (needs matplotlib: the ``eval`` extra).
 
 One process, the default JAX device; the drafter and the verifier tensors must fit
-on it.
+on it. With ``--hidden-states-backend jax --mesh SPEC`` the verifier's weights are sharded
+over the process's devices as in training, and a ``context`` axis splits each row's tokens
+for its forward (the drafter's statistics, small, run replicated).
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from dspark_jax import parallel
 from dspark_jax.checkpoint import load
 from dspark_jax.config import DSparkConfig, verifier_norm_style
 from dspark_jax.eval import acceptance, calibration, report, served
@@ -207,14 +212,15 @@ class Evaluator:
         drafter: Drafter,
         frozen: FrozenWeights,
         settings: EvalSettings,
-        verifier: tuple[instep.InStepVerifier, dict] | None = None,
+        verifier: tuple[instep.InStepVerifier, dict, jax.sharding.Mesh | None] | None = None,
     ):
-        """``verifier``: (in-step verifier, its loaded parameters) for
+        """``verifier``: (in-step verifier, its loaded parameters, their mesh or None) for
         ``--hidden-states-backend jax``: each row's hidden states are computed first."""
         self.cfg = cfg = drafter.cfg
         self.verifier = verifier
+        self.mesh = None if verifier is None else verifier[2]
         if verifier is not None:
-            self._fill = jax.jit(verifier[0].fill)
+            self._fill = jax.jit(self._traced_fill)
         self.settings = settings
         self.num_draft = settings.num_draft_tokens or cfg.speculative_tokens
         dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[settings.dtype]
@@ -222,8 +228,8 @@ class Evaluator:
             lambda: DSparkDraftModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=False)
         )
         graphdef, _ = nnx.split(abstract)
-        self.params = jax.tree.map(jnp.asarray, drafter.params)
-        self.frozen = frozen
+        self.params = self._replicated(jax.tree.map(jnp.asarray, drafter.params))
+        self.frozen = self._replicated(frozen)
         self.d2t = None if drafter.vocab_maps is None else jnp.asarray(drafter.vocab_maps[0])
         chunk = settings.anchor_chunk or default_anchor_chunk(cfg.draft_vocab_size)
 
@@ -235,6 +241,33 @@ class Evaluator:
             )  # fmt: skip
 
         self._stats = jax.jit(stats)
+
+    def _replicated(self, tree):
+        """On every device of the verifier's mesh (the drafter is small), else as is."""
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(self.mesh, P()))
+
+    def _traced_fill(self, vparams, batch):
+        if self.mesh is None:
+            return self.verifier[0].fill(vparams, batch)
+        with parallel.tracing_mesh(self.mesh):
+            return self.verifier[0].fill(vparams, batch)
+
+    def _verifier_row(self, padded: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """The padded row with its hidden states computed; on a mesh the row is one
+        batch row of the mesh's shape: over context its tokens split, over the batch
+        axes (one row: nothing to split) replicated."""
+        n = len(padded["input_ids"])
+        if self.mesh is not None:  # to a multiple of the context split (more padding)
+            split = self.mesh.shape[parallel.CONTEXT_AXIS]
+            padded = pad_row(padded, -n % split)
+        one = {k: np.asarray(padded[k])[None] for k in ROW_KEYS}
+        if self.mesh is not None:
+            tokens = NamedSharding(self.mesh, P(None, parallel.CONTEXT_AXIS))
+            one = {k: jax.device_put(v, tokens) for k, v in one.items()}
+        filled = self._fill(self.verifier[1], one)
+        return self._replicated({k: v[0, :n] for k, v in filled.items()})
 
     def row(
         self, row: dict[str, np.ndarray], row_index: int, past_end: int = 0
@@ -258,8 +291,7 @@ class Evaluator:
             return None, served.ServedSteps.empty()
         padded = pad_row(row, b)
         if self.verifier is not None:
-            one = {k: jnp.asarray(padded[k])[None] for k in ROW_KEYS}
-            device_row = {k: v[0] for k, v in self._fill(self.verifier[1], one).items()}
+            device_row = self._verifier_row(padded)
         else:
             device_row = {k: jnp.asarray(padded[k]) for k in ROW_KEYS}
         key = jax.random.fold_in(jax.random.key(s.seed), row_index)
@@ -435,6 +467,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("bfloat16", "float32"),
         help="--hidden-states-backend jax: the verifier's weights and matmuls",
     )
+    g.add_argument(
+        "--mesh",
+        default=None,
+        help="--hidden-states-backend jax: the verifier's weights sharded over this mesh of "
+        "every device, as in training (e.g. fsdp=8, fsdp=4,tensor=2, context=8: each row's "
+        "tokens split for the verifier's forward); default: one device",
+    )
     g.add_argument("--max-rows", type=int, default=None, help="evaluate at most this many rows")
     g.add_argument("--num-workers", type=int, default=0, help="Grain reader processes")
 
@@ -498,6 +537,17 @@ def verifier_eos_ids(verifier: Path) -> tuple[int, ...]:
             v = src.get("eos_token_id")
             ids.update([v] if isinstance(v, int) else (v or []))
     return tuple(sorted(ids))
+
+
+def _eval_mesh(spec: str | None):
+    """The mesh of ``--mesh`` over every device (None: one device, no mesh). Any context
+    split works: a row is padded to a multiple of it (Evaluator._verifier_row)."""
+    if spec is None:
+        return None
+    try:
+        return parallel.make_mesh(spec)
+    except ValueError as e:
+        raise EvalError(f"--mesh {spec}: {e}") from None
 
 
 def _resolve_verifier(args, cfg: DSparkConfig) -> Path:
@@ -575,7 +625,10 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if hs:
             raise EvalError("--hidden-states: --hidden-states-backend jax reads no files")
         iv = instep.build(str(verifier), cfg, args.verifier_dtype, args.hidden_states_dtype)
-        in_step = (iv, iv.load(None))
+        mesh = _eval_mesh(args.mesh)
+        in_step = (iv, iv.load(mesh), mesh)
+    elif args.mesh is not None:
+        raise EvalError("--mesh applies to --hidden-states-backend jax only")
     evaluator = Evaluator(drafter, frozen, settings, in_step)
     has_conf = cfg.enable_confidence_head
     blocks = []

@@ -313,7 +313,8 @@ def batch_hidden_states(params: Params, cfg: VerifierConfig, batch: dict, layer_
         return jax.lax.map(lambda r: hidden_states(params, cfg, *r, layer_ids, **kw), rows)
     return jax.vmap(
         lambda *r: hidden_states(params, cfg, *r, layer_ids, **kw),
-        spmd_axis_name=parallel.row_vmap_axes(),  # the attention's shard_map takes its rows
+        # the attention's shard_map takes its rows
+        spmd_axis_name=parallel.row_vmap_axes(rows[0].shape[0]),
     )(*rows)
 
 

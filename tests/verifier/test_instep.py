@@ -136,10 +136,16 @@ def test_eval_backend_matches_files(instep_setup, instep_trained, tmp_path):
         assert got["documents"] == len(data.input_ids)
         return np.array(got["acceptance"]["analytic/free_running"]["cumulative"])
 
-    instep_fig = figure("jax", "--hidden-states-backend", "jax", "--verifier-dtype", "float32")
+    instep = ("--hidden-states-backend", "jax", "--verifier-dtype", "float32")
+    instep_fig = figure("jax", *instep)
     files = {name: figure(name, "--hidden-states", f"d={folder}") for name, folder in hs.items()}
     bound = 4 * np.abs(files["moved"] - files["exact"]) + 8 * U * np.abs(files["exact"])
     assert (np.abs(instep_fig - files["exact"]) <= bound).all(), (instep_fig, files, bound)
+    # The verifier sharded over 8 devices (--mesh, as in training: its weights over fsdp and
+    # tensor, each row's tokens over context) is the same forward in other orders.
+    if jax.device_count() >= 8:
+        mesh_fig = figure("mesh", *instep, "--mesh", "fsdp=2,context=2,tensor=2")
+        assert (np.abs(mesh_fig - files["exact"]) <= bound).all(), (mesh_fig, files, bound)
     assert (np.abs(files["bf16"] - files["exact"]) > bound).all(), (files, bound)
 
 
