@@ -39,6 +39,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "markov": None,  # the Markov rank is small
     "norm": None,
     "layers": None,  # the stacked verifier's layer axis (scanned; every device holds all)
+    "experts": "fsdp",  # a process stores (and reads) whole experts, its share of them
     "sequence": CONTEXT_AXIS,  # the tokens of a row (every per-token tensor)
 }
 
@@ -121,19 +122,22 @@ def _context_by_process(grid: np.ndarray) -> np.ndarray:
 
 
 def _fit(spec: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
-    """Map logical names to mesh axes; a dim the axes do not divide stays replicated."""
-    out = []
+    """Map logical names to mesh axes; a dim the axes do not divide stays replicated, and
+    a mesh axis goes to the first dim that can take it (experts [E, I, H]: E over fsdp
+    when fsdp divides it, else H)."""
+    out, used = [], set()
     for name, dim in zip(spec, shape, strict=True):
         axes = LOGICAL_RULES.get(name) if name is not None else None
         if name is not None and name not in LOGICAL_RULES:
             raise ValueError(f"no sharding rule for logical axis {name!r}")
         if axes is not None:
-            size = int(
-                np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)])
-            )
-            if dim % size:
-                log.debug("dim %d not divisible by %s=%d: replicated", dim, axes, size)
+            names = (axes,) if isinstance(axes, str) else axes
+            size = int(np.prod([mesh.shape[a] for a in names]))
+            if dim % size or used & set(names):
+                log.debug("dim %d not divisible by %s=%d (or taken): replicated", dim, axes, size)
                 axes = None
+            else:
+                used |= set(names)
         out.append(axes)
     return P(*out)
 

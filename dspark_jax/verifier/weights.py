@@ -82,8 +82,9 @@ def _layer_specs(cfg: VerifierConfig, moe: bool) -> dict[str, tuple[tuple, tuple
     if moe:
         e, mi = cfg.num_experts, cfg.moe_intermediate_size
         layer[m + "gate.weight"] = ((e, h), (None, "embed"))
-        layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, h), (None, "mlp", "embed"))
-        layer[m + "experts.down_proj"] = ((e, h, mi), (None, "embed", "mlp"))
+        # fsdp splits the experts (whole ones per device) when it divides E, else H
+        layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, h), ("experts", "mlp", "embed"))
+        layer[m + "experts.down_proj"] = ((e, h, mi), ("experts", "embed", "mlp"))
     else:
         inter = cfg.intermediate_size
         layer[m + "gate_proj.weight"] = ((inter, h), ("mlp", "embed"))
@@ -191,11 +192,19 @@ def _expert_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reade
                 )
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
+        """Only the requested experts, and of each part (gate rows [0, I), up rows
+        [I, 2I) of gate_up_proj) only the requested rows and columns."""
         es, rs, cs = index
+        r0, r1, step = rs.indices(rows * len(parts))
+        assert step == 1, index
         out = []
         for e in range(*es.indices(e_count)):
-            full = np.concatenate([ckpt.view(f"{base}{e}.{p}.weight") for p in parts])
-            out.append(np.asarray(full[rs, cs]))
+            pieces = []
+            for j, part in enumerate(parts):
+                lo, hi = max(r0 - j * rows, 0), min(r1 - j * rows, rows)
+                if lo < hi:
+                    pieces.append(ckpt.view(f"{base}{e}.{part}.weight")[lo:hi, cs])
+            out.append(np.concatenate(pieces))
         return np.stack(out)
 
     return read
