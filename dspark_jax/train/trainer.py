@@ -246,7 +246,11 @@ class Trainer:
 
         return jax.jit(init, out_shardings=shardings)()
 
-    def load_frozen(self) -> FrozenWeights:
+    def load_frozen(self, verifier_embed: jax.Array | None = None) -> FrozenWeights:
+        """The drafter's frozen verifier tensors on the mesh. ``verifier_embed``: the
+        in-step verifier's embedding (same logical sharding); when its dtype holds the
+        stored values exactly it is the drafter's too, so the embedding is on the devices
+        (and read from disk) once."""
         maps = self.setup.vocab_maps
         vt = load_verifier_tensors(
             self.args.verifier_name_or_path, None if maps is None else maps[1]
@@ -259,12 +263,14 @@ class Trainer:
             ) from None
         sh = parallel.frozen_shardings(host, self.mesh)
         head = _put(host.lm_head, sh.lm_head)  # one device copy serves both heads
-        return FrozenWeights(
-            _put(host.embed_tokens, sh.embed_tokens),
-            head,
-            head,
-            _put(host.verifier_norm, sh.verifier_norm),
-        )
+        stored = host.embed_tokens.dtype
+        if verifier_embed is not None and jnp.promote_types(stored, verifier_embed.dtype) == (
+            verifier_embed.dtype
+        ):
+            embed = jax.device_put(verifier_embed, sh.embed_tokens)  # the same array if placed
+        else:
+            embed = _put(host.embed_tokens, sh.embed_tokens)
+        return FrozenWeights(embed, head, head, _put(host.verifier_norm, sh.verifier_norm))
 
     # ------------------------------------------------------------------ data
     def open_data(self) -> PackedData:
@@ -571,9 +577,11 @@ class Trainer:
         self.tx, self.schedules = optim.build_optimizer_from_flags(abstract, args.values, total)
         opt_sh = parallel.state_shardings(jax.eval_shape(self.tx.init, abstract), self.mesh)
         state_sh = {"params": param_sh, "opt": opt_sh}
-        self.frozen = self.load_frozen()
         if self.instep is not None:  # loaded once, sharded; never in the optimizer state
-            self.frozen = (self.frozen, self.instep.load(self.mesh))
+            vparams = self.instep.load(self.mesh)
+            self.frozen = (self.load_frozen(vparams["embed_tokens.weight"]), vparams)
+        else:
+            self.frozen = self.load_frozen()
         frozen_sh = jax.tree.map(lambda x: x.sharding, self.frozen)
         self._compile(graphdef, state_sh, frozen_sh)
 

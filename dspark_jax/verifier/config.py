@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from dspark_jax import hf_folder
 from dspark_jax.config import RopeScaling
 
 # model_type -> family. Gemma 3's text checkpoints say gemma3_text; "gemma3" is the
-# multimodal wrapper and is refused with the other multimodal types.
+# multimodal wrapper (4B/12B/27B): its text tower (text_config, language_model.* tensors)
+# is the verifier (MULTIMODAL). Other multimodal types are refused.
 FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
@@ -30,7 +32,9 @@ FAMILIES = {
     "gemma2": "gemma",
     "gemma3_text": "gemma",
 }
-SUPPORTED = tuple(FAMILIES)
+# multimodal model_type -> the model_type its text_config must have
+MULTIMODAL = {"gemma3": "gemma3_text"}
+SUPPORTED = (*FAMILIES, *MULTIMODAL)
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -136,7 +140,7 @@ def read_config_dict(folder: str | os.PathLike) -> dict[str, Any]:
 def check_supported(d: dict[str, Any], where: str = "config.json") -> str:
     """The model_type, or a one-line refusal naming it and the supported list."""
     mt = d.get("model_type")
-    if mt not in FAMILIES:
+    if mt not in FAMILIES and mt not in MULTIMODAL:
         raise UnsupportedVerifierError(
             f"{where}: model_type {mt!r} has no in-step verifier forward; supported: "
             f"{', '.join(SUPPORTED)} (for others, extract hidden-state files with "
@@ -181,9 +185,27 @@ def _layer_types(d: dict, mt: str, n: int) -> list[str]:
     return ["full_attention"] * n
 
 
+def text_tower(d: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The config of the language model: ``d`` itself, or a multimodal wrapper's
+    ``text_config`` (the wrapper's ``tie_word_embeddings`` applies to it)."""
+    mt = d.get("model_type")
+    if mt not in MULTIMODAL:
+        return d
+    text = hf_folder.text_config(d)
+    if text is d or text.get("model_type") != MULTIMODAL[mt]:
+        raise ValueError(
+            f"{where}: model_type {mt!r} needs a text_config of model_type "
+            f"{MULTIMODAL[mt]!r}, got {text.get('model_type') if text is not d else None!r}"
+        )
+    tied = d.get("tie_word_embeddings")
+    return {**text, **({} if tied is None else {"tie_word_embeddings": tied})}
+
+
 def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierConfig:
     """A checked VerifierConfig from a config.json dict (refuses unsupported families)."""
-    mt = check_supported(d, where)
+    check_supported(d, where)
+    d = text_tower(d, where)
+    mt = d["model_type"]
     gemma = FAMILIES[mt] == "gemma"
 
     def need(key: str, default: Any = None):

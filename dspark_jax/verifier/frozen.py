@@ -54,7 +54,7 @@ class VerifierWeightsError(DataError):
 class VerifierTensors:
     """Frozen verifier tensors, dtype as stored (bf16 via ml_dtypes).
 
-    embed_tokens: [Vt, H]; lm_head: [Vd, H] (rows ``t2d`` of the verifier head when a
+    embed_tokens: [Vt, H] (a read-only memory map); lm_head: [Vd, H] (rows ``t2d`` of the verifier head when a
     draft vocabulary is given, else [Vt, H]); norm: [H]. ``keys`` maps each logical
     name to the checkpoint key read; ``tied`` says lm_head came from the embedding.
     """
@@ -147,7 +147,9 @@ def load_verifier_tensors(
             files[shard] = SafetensorsFile(shard)
         if key not in files[shard]:
             raise VerifierWeightsError(f"{shard}: index lists {key}, the file does not have it")
-        out[name] = files[shard].read(key)
+        # The embedding as a memory map: its bytes are read where it is used (the in-step
+        # trainer hands the drafter the verifier's own device copy and never reads them).
+        out[name] = files[shard].view(key) if name == EMBED else files[shard].read(key)
     embed, norm = out[EMBED], out[NORM]
     head = embed if tied else out[LM_HEAD]
     if embed.ndim != 2 or head.ndim != 2 or norm.ndim != 1:

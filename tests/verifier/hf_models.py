@@ -113,7 +113,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
+    # Gemma 3 4B/12B/27B checkpoints: the multimodal wrapper (model_type gemma3, the text
+    # model in text_config, its tensors under language_model.model.*) around the above
+    "gemma3_multimodal": ("gemma3", dict()),
 }
+TINY_VISION = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    image_size=28, patch_size=14,
+)  # fmt: skip
 
 
 def build(name: str, folder, seed: int = 0, **shape):
@@ -122,9 +129,21 @@ def build(name: str, folder, seed: int = 0, **shape):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = FAMILIES[name]
-    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra, **shape})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    if model_type == "gemma3":  # the multimodal wrapper: Gemma 3's text model + a vision tower
+        from transformers import Gemma3ForConditionalGeneration
+
+        text_type, text = FAMILIES["gemma3"]
+        cfg = AutoConfig.for_model(
+            model_type, text_config={**COMMON, **text, **shape}, vision_config=TINY_VISION,
+            mm_tokens_per_image=4,
+        )  # fmt: skip
+        assert cfg.text_config.model_type == text_type
+        model = Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation="eager")
+        model = model.eval()
+    else:
+        cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra, **shape})
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     gemma = model_type.startswith("gemma")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -143,7 +162,8 @@ def build(name: str, folder, seed: int = 0, **shape):
 @torch.no_grad()
 def hf_hidden_states(model, input_ids, layer_ids) -> np.ndarray:
     """One document's forward -> [T, len(layer_ids), H] fp32, hooked like launch/hf_extract."""
-    layers = model.model.layers
+    decoder = getattr(model.model, "language_model", model.model)  # a multimodal wrapper's text
+    layers = decoder.layers
     store = {}
     handles = []
     for k in layer_ids:
@@ -163,7 +183,7 @@ def hf_hidden_states(model, input_ids, layer_ids) -> np.ndarray:
                 )
             )
     try:
-        model.model(input_ids=torch.as_tensor(input_ids)[None], use_cache=False)
+        decoder(input_ids=torch.as_tensor(input_ids)[None], use_cache=False)
     finally:
         for h in handles:
             h.remove()

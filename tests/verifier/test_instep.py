@@ -248,7 +248,8 @@ def test_flag_errors(instep_setup, tmp_path, over, message):
 def test_tied_embeddings_in_step(instep_setup, tmp_path):
     """A Llama that ties its head to its embedding (SmolLM2, Gemma): the drafter's frozen
     embedding and head rows both come from ``embed_tokens`` (the checkpoint has no
-    ``lm_head``), and the in-step run trains on it, its rows read by a Grain worker
+    ``lm_head``), the embedding is on the devices once (the verifier's), and the in-step
+    run trains on it, its rows read by a Grain worker
     process (tokens only: an empty hidden-state array, no shared memory for it)."""
     from tests.verifier.hf_models import build
     from tests.verifier.instep_fixtures import SHAPE
@@ -265,6 +266,16 @@ def test_tied_embeddings_in_step(instep_setup, tmp_path):
     rows = embed if maps is None else embed[np.asarray(maps[1]).astype(bool)]
     np.testing.assert_array_equal(np.asarray(frozen.embed_tokens), embed)
     np.testing.assert_array_equal(np.asarray(frozen.lm_head), rows.T)
+    # The embedding on the devices once: the drafter's is the verifier's own array (fp32
+    # holds the fp32 checkpoint exactly)...
+    vparams = t.instep.load(t.mesh)
+    shared = t.load_frozen(vparams["embed_tokens.weight"])
+    assert shared.embed_tokens is vparams["embed_tokens.weight"]
+    np.testing.assert_array_equal(np.asarray(shared.lm_head), rows.T)
+    # ... but not a bf16 verifier's, which would round the drafter's fp32 embedding.
+    bf16 = t.load_frozen(vparams["embed_tokens.weight"].astype(jnp.bfloat16))
+    assert bf16.embed_tokens.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(bf16.embed_tokens), embed)
     assert train.run(args, devices=jax.devices()[:1]) == 0
     losses = [r["train"]["loss"] for r in read_jsonl(tmp_path / "run" / "logs" / "run" /
                                                        "metrics.jsonl") if "train" in r]  # fmt: skip
