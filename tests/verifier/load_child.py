@@ -45,11 +45,23 @@ def main(folder: str, coordinator_address: str, num_processes: int, process_id: 
     tensors = {
         k.removeprefix("model."): v for k, v in load_file(f"{folder}/model.safetensors").items()
     }
+
+    def hf(name):
+        """HF's tensor of a per-layer name; Hub per-expert tensors stacked as fused."""
+        if name in tensors:
+            return tensors[name]
+        base, fused = name.rsplit("experts.", 1)
+        parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+        count = sum(k.startswith(f"{base}experts.") and k.endswith(".down_proj.weight")
+                    for k in tensors)  # fmt: skip
+        return np.stack([
+            np.concatenate([tensors[f"{base}experts.{e}.{p}.weight"] for p in parts])
+            for e in range(count)
+        ])  # fmt: skip
+
     specs = weights.param_specs(cfg)  # stacked layers: HF's tensors of those layers, stacked
     full = {
-        n: np.stack([tensors[weights.layer_key(n, i)] for i in s.layers])
-        if s.layers
-        else tensors[n]
+        n: np.stack([hf(weights.layer_key(n, i)) for i in s.layers]) if s.layers else hf(n)
         for n, s in specs.items()
     }
     sharded = 0

@@ -217,12 +217,26 @@ def test_vocab_mismatch_with_the_data(instep_setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_read_only_their_shards(instep_setup, tmp_path):
+@pytest.mark.parametrize("layout", ["dense", "moe_fused", "moe_per_expert"])
+def test_two_processes_read_only_their_shards(instep_setup, tmp_path, layout):
     """Each of 2 processes (2 CPU devices each, mesh fsdp=2 x tensor=2) reads exactly the
-    slices its devices hold, and they equal the file's."""
+    slices its devices hold, and they equal the file's: the Qwen3 verifier, and a
+    Qwen3-MoE one (4 experts, 2 per process) saved fused by transformers or per expert
+    as on the Hub."""
+    folder = instep_setup[0] / "verifier"
+    if layout != "dense":
+        from tests.verifier.hf_models import build
+        from tests.verifier.instep_fixtures import SHAPE
+        from tests.verifier.test_hub_layouts import _per_expert
+
+        folder = tmp_path / "moe"
+        build("qwen3_moe", folder, **SHAPE)
+        if layout == "moe_per_expert":
+            _per_expert(folder, tmp_path / "per_expert")
+            folder = tmp_path / "per_expert"
     outs = launch(
         "tests.verifier.load_child",
-        [str(instep_setup[0] / "verifier")],
+        [str(folder)],
         devices=2,
         processes=2,
         timeout=300,
