@@ -45,10 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from dspark_jax import optim, parallel
 from dspark_jax.checkpoint.checkpointer import Checkpointer
@@ -56,8 +53,8 @@ from dspark_jax.checkpoint.orbax_io import FORMAT as CHECKPOINT_FORMAT  # what t
 from dspark_jax.checkpoint.orbax_io import CheckpointError, unreadable_reason
 from dspark_jax.data.files import DataError
 from dspark_jax.data.pipeline import PackedData, ProcessRows
-from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings, batch_loss
-from dspark_jax.train import drafter_setup, flags, online_setup, throughput
+from dspark_jax.model.draft import DSparkDraftModel, FrozenWeights, LossSettings
+from dspark_jax.train import drafter_setup, flags, online_setup, steps, throughput
 from dspark_jax.train.dry_run import dry_run
 from dspark_jax.train.flags import ConfigError, TrainArgs
 from dspark_jax.train.metrics_log import (
@@ -67,7 +64,6 @@ from dspark_jax.train.metrics_log import (
     normalize_counted_metrics,
     step_metrics,
 )
-from dspark_jax.train.opd import opd_batch_loss
 from dspark_jax.verifier import instep
 from dspark_jax.verifier.forward import drafted_blocks_supported
 from dspark_jax.verifier.frozen import load_verifier_tensors
@@ -75,7 +71,6 @@ from dspark_jax.verifier.frozen import load_verifier_tensors
 log = logging.getLogger("dspark_jax.train")
 
 MIN_STEP_PCT = 0.25  # trainer.py: no mid-epoch save this close to the epoch end
-VAL_STREAM = 2**31 - 1  # fold_in tag of the validation anchors' key stream
 OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW"}  # the reference logs type(opt).__name__
 
 
@@ -306,67 +301,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _compile(self, graphdef, state_sh, frozen_sh):
-        settings, tx = self.settings, self.tx
-        base_key = jax.random.key(self.args.seed)
-
-        verifier = self.instep
-        maps = self.setup.vocab_maps
-        d2t = None if maps is None else np.asarray(maps[0])
-
-        def with_hidden_states(frozen, batch):
-            """In-step backend: frozen = (FrozenWeights, verifier params); the rows' hidden
-            states are computed first (no gradient reaches the verifier)."""
-            if verifier is None:
-                return frozen, None, batch
-            frozen, vparams = frozen
-            with parallel.tracing_mesh(self.mesh):  # the verifier reads the context split too
-                return frozen, vparams, verifier.fill(vparams, batch)
-
-        def objective(params, frozen, vparams, batch, key):
-            """The stage's loss and metrics; the model reads the mesh's context split."""
-            model = nnx.merge(graphdef, params)
-            with parallel.tracing_mesh(self.mesh):
-                if settings.training_stage == "opd":
-                    table = None if d2t is None else jnp.asarray(d2t)
-                    return opd_batch_loss(
-                        model, frozen, verifier, vparams, batch, key, settings, table
-                    )
-                return batch_loss(model, frozen, batch, key, settings)
-
-        def train_step(state, frozen, batch, step):
-            key = jax.random.fold_in(base_key, step)
-            frozen, vparams, batch = with_hidden_states(frozen, batch)
-
-            def loss_fn(params):
-                return objective(params, frozen, vparams, batch, key)
-
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-            updates, opt = tx.update(grads, state["opt"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
-            metrics = dict(metrics)
-            metrics["error_records_sum"] = jnp.sum(batch["error_records"]).astype(jnp.float32)
-            metrics["error_records_total"] = jnp.float32(1.0)
-            return {"params": params, "opt": opt}, metrics
-
-        def eval_step(params, frozen, batch, epoch, index):
-            frozen, vparams, batch = with_hidden_states(frozen, batch)
-            key = jax.random.fold_in(
-                jax.random.fold_in(jax.random.fold_in(base_key, VAL_STREAM), epoch), index
-            )
-            return objective(params, frozen, vparams, batch, key)[1]
-
-        replicated = NamedSharding(self.mesh, P())  # metrics: readable on every process
-        self.train_step = jax.jit(
-            train_step,
-            in_shardings=(state_sh, frozen_sh, None, None),
-            out_shardings=(state_sh, replicated),
-            donate_argnums=0,
-        )
-        self.eval_step = jax.jit(
-            eval_step,
-            in_shardings=(state_sh["params"], frozen_sh, None, None, None),
-            out_shardings=replicated,
-        )
+        self.train_step, self.eval_step = steps.build_steps(
+            graphdef, self.mesh, self.settings, self.tx, self.args.seed, self.instep,
+            self.setup.vocab_maps, state_sh, frozen_sh,
+        )  # fmt: skip
 
     def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return parallel.global_batch(batch, self.mesh, self.rows_per_step)
