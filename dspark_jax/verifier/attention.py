@@ -56,16 +56,17 @@ def document_causal_attention(
     q_block: int = 128,
     kv_chunk: int = 512,
 ) -> jax.Array:
-    """q [S, Nh, D], k/v [S, Nkv, D], document_ids [S] int (-1 = padding, attends to
-    padding only) -> [S, Nh, D] in q's dtype. GQA: query head h reads kv head h // (Nh/Nkv).
-    Peak temporaries O(q_block * Nh * kv_chunk).
+    """q [S, Nh, D], k [S, Nkv, D], v [S, Nkv, Dv], document_ids [S] int (-1 = padding,
+    attends to padding only) -> [S, Nh, Dv] in q's dtype (Dv = D but for MLA). GQA: query
+    head h reads kv head h // (Nh/Nkv). Peak temporaries O(q_block * Nh * kv_chunk).
 
     Under a mesh whose ``context`` axis splits the row (``parallel.context_size() > 1``)
     each device keeps its shard of the queries and gathers the layer's keys, values and
     documents (see :func:`_split_attention`)."""
     S, Nh, D = q.shape
     Nkv = k.shape[1]
-    if k.shape != (S, Nkv, D) or v.shape != k.shape or document_ids.shape != (S,) or Nh % Nkv:
+    bad_v = v.shape[:2] != k.shape[:2]
+    if k.shape != (S, Nkv, D) or bad_v or document_ids.shape != (S,) or Nh % Nkv:
         raise ValueError(
             f"bad shapes: q {q.shape}, k {k.shape}, v {v.shape}, document_ids {document_ids.shape}"
         )
@@ -109,7 +110,7 @@ def _attend(q, k, v, doc_q, doc_k, offset, start, *, scale, sliding_window, soft
     documents' first rows ``start``, [T]) over the keys k/v [S, Nkv, D] at rows 0 .. S - 1
     (documents doc_k [S])."""
     T, Nh, D = q.shape
-    S, Nkv = k.shape[:2]
+    S, Nkv, Dv = v.shape
     R, Bq, C = Nh // Nkv, min(q_block, T), min(kv_chunk, S)
     n_q, n_kv = -(-T // Bq), -(-S // C)
     pad_q, pad_kv = n_q * Bq - T, n_kv * C - S
@@ -153,13 +154,13 @@ def _attend(q, k, v, doc_q, doc_k, offset, start, *, scale, sliding_window, soft
         init = (
             jnp.full(qb.shape[:-1], _MASKED_MAX, _F32),
             jnp.zeros(qb.shape[:-1], _F32),
-            jnp.zeros(qb.shape, _F32),
+            jnp.zeros((*qb.shape[:-1], Dv), _F32),
         )
         m, l, acc = lax.fori_loop(rng[0], rng[1], body, init)
         return acc / jnp.where(l > 0, l, 1.0)[..., None]  # l = 0 only on padded query rows
 
     out = lax.map(block, (qg, pos_q, doc_q, ranges))
-    return out.reshape(n_q * Bq, Nh, D)[:T].astype(q.dtype)
+    return out.reshape(n_q * Bq, Nh, Dv)[:T].astype(q.dtype)
 
 
 def dense_document_causal_attention(

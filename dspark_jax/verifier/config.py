@@ -31,6 +31,8 @@ FAMILIES = {
     "qwen3_moe": "llama",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
+    "deepseek_v3": "deepseek",  # MLA + grouped sigmoid-routed experts
+    "kimi_k2": "deepseek",  # Kimi-K2's config.json name for the same architecture
 }
 # multimodal model_type -> the model_type its text_config must have
 MULTIMODAL = {"gemma3": "gemma3_text"}
@@ -84,12 +86,40 @@ class VerifierConfig:
     layer_windows: tuple[int | None, ...]  # keys q - W < k <= q on sliding layers
     layer_rope: tuple[str, ...]  # key into ropes, per layer
     ropes: tuple[tuple[str, RopeView], ...]
-    # Qwen3-MoE
+    # Qwen3-MoE (router "softmax") and DeepSeek-V3 (router "sigmoid": sigmoid scores plus
+    # e_score_correction_bias choose, group-limited to the topk_group best of n_group
+    # groups by their top-2 sums; the chosen raw scores weigh, renormalised when
+    # norm_topk_prob, times routed_scaling_factor; n_shared_experts always-on experts)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     layer_moe: tuple[bool, ...] = ()
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): q through a q_lora_rank
+    # bottleneck (None: q_proj), keys and values from a kv_lora_rank latent; per head
+    # qk_nope_head_dim + qk_rope_head_dim for q and k (the rotary part of k shared by the
+    # heads), v_head_dim for v; rope_interleave: the rotary dims are pairs (x0, x1) ...
+    mla: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of q and k (the scores' contraction)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def embed_scale(self) -> float | None:
@@ -220,6 +250,9 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     n = int(need("num_hidden_layers"))
     nkv = int(d.get("num_key_value_heads") or nh)
     hd = int(d.get("head_dim") or h // nh)
+    moe, mla = {}, {}
+    if FAMILIES[mt] == "deepseek":  # hd: the rotary part's width (RoPE's tables)
+        moe, mla, hd, query_scale = _deepseek(d, n, need, where)
     max_pos = int(need("max_position_embeddings"))
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act == "gelu_pytorch_tanh" or (gemma and act in ("gelu", "gelu_new")):
@@ -261,7 +294,6 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         mt, bool(d.get("attention_bias"))
     )
     o_bias = False if mt == "qwen2" else qkv_bias
-    moe = {}
     if mt == "qwen3_moe":
         e = int(d.get("num_experts") or need("num_local_experts"))  # 5.19 saves the latter
         step = int(d.get("decoder_sparse_step", 1))
@@ -283,6 +315,8 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             "Gemma 3; set it to null (the released Gemma 3 configs do)"
         )
     scalar = d.get("query_pre_attn_scalar") if gemma else None
+    if not mla:
+        query_scale = float(scalar) ** -0.5 if scalar else hd**-0.5
     return VerifierConfig(
         model_type=mt,
         vocab_size=int(need("vocab_size")),
@@ -299,14 +333,65 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(d.get("mlp_bias", False)) and mt == "llama",
-        query_scale=float(scalar) ** -0.5 if scalar else hd**-0.5,
+        query_scale=query_scale,
         attn_softcap=d.get("attn_logit_softcapping") if gemma else None,
         final_softcap=d.get("final_logit_softcapping") if gemma else None,
         layer_windows=windows,
         layer_rope=layer_rope,
         ropes=ropes,
         **moe,
+        **mla,
     )
+
+
+def _deepseek(d: dict[str, Any], n: int, need, where: str):
+    """DeepSeek-V3's MoE and MLA fields, its rotary head width and query scale
+    (transformers 5.19 ``modeling_deepseek_v3``: ``scaling = qk_head_dim**-0.5``, times
+    yarn's ``mscale(factor, mscale_all_dim)**2`` for a scaled rope)."""
+    from dspark_jax.config import yarn_get_mscale
+
+    nh, nkv = int(need("num_attention_heads")), int(d.get("num_key_value_heads") or 0)
+    if nkv and nkv != nh:
+        raise UnsupportedVerifierError(
+            f"{where}: num_key_value_heads {nkv} != num_attention_heads {nh}: MLA expands "
+            "its latent to every head"
+        )
+    if d.get("attention_bias"):
+        raise UnsupportedVerifierError(f"{where}: attention_bias on MLA is not supported")
+    e = int(need("n_routed_experts"))
+    first_dense = int(d.get("first_k_dense_replace", 0))
+    n_group, topk_group = int(d.get("n_group", 1)), int(d.get("topk_group", 1))
+    if e % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(
+            f"{where}: n_routed_experts {e}, n_group {n_group}, topk_group {topk_group}"
+        )
+    moe = dict(
+        num_experts=e,
+        num_experts_per_tok=int(need("num_experts_per_tok")),
+        moe_intermediate_size=int(need("moe_intermediate_size")),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        layer_moe=tuple(i >= first_dense for i in range(n)),
+        router="sigmoid",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(d.get("n_shared_experts", 0)),
+    )
+    q_lora = d.get("q_lora_rank")
+    mla = dict(
+        mla=True,
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(need("kv_lora_rank")),
+        qk_nope_head_dim=int(need("qk_nope_head_dim")),
+        qk_rope_head_dim=int(need("qk_rope_head_dim")),
+        v_head_dim=int(need("v_head_dim")),
+        rope_interleave=bool(d.get("rope_interleave", True)),
+    )
+    scale = (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]) ** -0.5
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
+        scale *= yarn_get_mscale(rp["factor"], rp["mscale_all_dim"]) ** 2
+    return moe, mla, mla["qk_rope_head_dim"], scale
 
 
 def load_verifier_config(folder: str | os.PathLike) -> VerifierConfig:

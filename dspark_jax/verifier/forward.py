@@ -69,16 +69,39 @@ def _mlp(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array
     return _linear(params, p + "down_proj", gate * _linear(params, p + "up_proj", x))
 
 
-def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array:
-    """Qwen3-MoE sparse block: softmax router (fp32), top-k, optional renormalisation;
-    tokens sorted by expert and run through ``lax.ragged_dot`` (each token visits only
-    its k experts)."""
-    T, k, E = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    logits = _linear(params, p + "gate", x)  # [T, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, k)
+def _route(cfg: VerifierConfig, params: Params, p: str, x: jax.Array):
+    """Each token's k experts and their weights, [T, k] each (fp32 scores)."""
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    if cfg.router == "softmax":  # Qwen3-MoE
+        probs = jax.nn.softmax(_linear(params, p + "gate", x), axis=-1)  # [T, E]
+        top_w, top_i = jax.lax.top_k(probs, k)
+        if cfg.norm_topk_prob:
+            top_w = top_w / top_w.sum(-1, keepdims=True)
+        return top_w, top_i
+    # DeepSeek-V3 (transformers' DeepseekV3TopkRouter): fp32 logits, sigmoid scores; the
+    # biased scores choose, within the topk_group groups whose two best biased scores sum
+    # highest; the chosen raw scores weigh.
+    w = params[p + "gate.weight"].astype(_F32)
+    scores = jax.nn.sigmoid(jnp.einsum("th,eh->te", x.astype(_F32), w))
+    choice = scores + params[p + "gate.e_score_correction_bias"].astype(_F32)
+    groups = choice.reshape(-1, cfg.n_group, E // cfg.n_group)
+    group_score = jax.lax.top_k(groups, 2)[0].sum(-1)  # [T, n_group]
+    _, best = jax.lax.top_k(group_score, cfg.topk_group)
+    keep = jnp.zeros_like(group_score, bool).at[jnp.arange(len(x))[:, None], best].set(True)
+    choice = jnp.where(jnp.repeat(keep, E // cfg.n_group, axis=-1), choice, -jnp.inf)
+    _, top_i = jax.lax.top_k(choice, k)
+    top_w = jnp.take_along_axis(scores, top_i, axis=-1)
     if cfg.norm_topk_prob:
-        top_w = top_w / top_w.sum(-1, keepdims=True)
+        top_w = top_w / (top_w.sum(-1, keepdims=True) + 1e-20)
+    return top_w * cfg.routed_scaling_factor, top_i
+
+
+def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array:
+    """Sparse block: the router's top-k (:func:`_route`); tokens sorted by expert and run
+    through ``lax.ragged_dot`` (each token visits only its k experts); DeepSeek's shared
+    experts added (a dense MLP every token runs)."""
+    T, k, E = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
+    top_w, top_i = _route(cfg, params, p, x)
     flat_e = top_i.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k
@@ -92,7 +115,10 @@ def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array
     hidden = (_act(cfg, g) * u).astype(cd)
     y = jax.lax.ragged_dot(hidden, jnp.swapaxes(down, 1, 2), sizes, preferred_element_type=_F32)
     y = y * top_w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, x.shape[1]), _F32).at[tok].add(y)
+    out = jnp.zeros((T, x.shape[1]), _F32).at[tok].add(y)
+    if cfg.n_shared_experts:
+        out = out + _mlp(cfg, params, p + "shared_experts.", x)
+    return out
 
 
 def rope_for_row(cfg: VerifierConfig, position_ids: jax.Array, document_ids: jax.Array):
@@ -128,9 +154,56 @@ def _document_last_index(document_ids: jax.Array) -> jax.Array:
     return jnp.flip(jax.lax.cummin(jnp.flip(idx)))
 
 
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """DeepSeek's interleaved rotary pairs (x0, x1), (x2, x3) ... as rotate-half halves
+    (evens, odds): transformers' ``apply_rotary_pos_emb_interleave`` is rotate-half RoPE
+    on this layout."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+# transformers 5.19 builds the q and kv latents' norms without the config's rms_norm_eps
+# (DeepseekV3RMSNorm's default); vLLM passes it. The released DeepSeek-V3 and Kimi-K2
+# configs say 1e-6, where the two agree.
+MLA_LATENT_NORM_EPS = 1e-6
+
+
+def _latent_norm(x: jax.Array, w: jax.Array) -> jax.Array:
+    return rms_norm(x, w.astype(_F32), MLA_LATENT_NORM_EPS)
+
+
+def _mla_qkv(cfg, params, p, x, rope):
+    """Multi-head latent attention (transformers' DeepseekV3Attention): q [T, Nh, nope +
+    rope], k [T, Nh, nope + rope] (its rotary part one per token, shared by the heads),
+    v [T, Nh, v_head_dim], in the projection weights' dtype."""
+    T, nh = x.shape[0], cfg.num_attention_heads
+    nope, r, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank is None:
+        q = _linear(params, p + "q_proj", x)
+    else:
+        q = _latent_norm(_linear(params, p + "q_a_proj", x), params[p + "q_a_layernorm.weight"])
+        q = _linear(params, p + "q_b_proj", q)
+    q = q.reshape(T, nh, nope + r)
+    kv = _linear(params, p + "kv_a_proj_with_mqa", x)  # [T, kv_lora + r]
+    latent = _latent_norm(kv[:, : cfg.kv_lora_rank], params[p + "kv_a_layernorm.weight"])
+    k_rot = kv[:, None, cfg.kv_lora_rank :]  # [T, 1, r]
+    kvb = _linear(params, p + "kv_b_proj", latent).reshape(T, nh, nope + dv)
+    k_nope, v = kvb[..., :nope], kvb[..., nope:]
+    q_rot, k_rot = q[..., nope:], k_rot
+    if cfg.rope_interleave:
+        q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+    cos, sin = rope
+    q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+    q = jnp.concatenate([q[..., :nope], q_rot], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (T, nh, r))], axis=-1)
+    cd = params[p + "kv_b_proj.weight"].dtype
+    return q.astype(cd), k.astype(cd), v.astype(cd)
+
+
 def _qkv(cfg, params, p, x, rope):
     """Projected, normed (qk_norm) and rotated q [T, Nh, D], k/v [T, Nkv, D], in the
     projection weights' dtype (the attention's matmul operands)."""
+    if cfg.mla:
+        return _mla_qkv(cfg, params, p, x, rope)
     T, d = x.shape[0], cfg.head_dim
     q = _linear(params, p + "q_proj", x).reshape(T, cfg.num_attention_heads, d)
     k = _linear(params, p + "k_proj", x).reshape(T, cfg.num_key_value_heads, d)
@@ -322,6 +395,8 @@ def drafted_blocks_supported(cfg: VerifierConfig) -> str | None:
     """Why :func:`drafted_hidden` cannot run this verifier, or None. Its block pass uses the
     drafter's anchored-block attention, which has neither sliding windows, soft caps nor a
     query scale other than head_dim**-0.5."""
+    if cfg.mla:
+        return "multi-head latent attention"
     if any(w is not None for w in cfg.layer_windows):
         return "sliding-window attention layers"
     if cfg.attn_softcap is not None:

@@ -20,6 +20,7 @@ from dspark_jax.verifier.config import VerifierConfig, load_verifier_config
 from dspark_jax.verifier.forward import batch_hidden_states
 from dspark_jax.verifier.weights import (
     Checkpoint,
+    held_dtype,
     load_params,
     param_shardings,
     param_specs,
@@ -53,7 +54,7 @@ class InStepVerifier:
     def abstract(self, mesh) -> dict[str, jax.ShapeDtypeStruct]:
         sh = param_shardings(self.cfg, mesh)
         return {
-            n: jax.ShapeDtypeStruct(s.shape, self.param_dtype, sharding=sh[n])
+            n: jax.ShapeDtypeStruct(s.shape, held_dtype(n, self.param_dtype), sharding=sh[n])
             for n, s in param_specs(self.cfg).items()
         }
 
@@ -77,15 +78,24 @@ class InStepVerifier:
         """Matmul FLOPs of ``tokens`` tokens through every layer, ``pairs[i]`` the
         query-key pairs of layer i."""
         c = self.cfg
-        h, d = c.hidden_size, c.head_dim
-        nq, nkv = c.num_attention_heads * d, c.num_key_value_heads * d
+        h, d, nh = c.hidden_size, c.head_dim, c.num_attention_heads
+        nq, nkv = nh * d, c.num_key_value_heads * d
+        if c.mla:  # q (through its latent), the kv latent, its expansion, o
+            qk, q = nh * c.qk_head_dim, c.q_lora_rank
+            proj = h * q + q * qk if q else h * qk
+            kv = c.kv_lora_rank
+            proj += h * (kv + c.qk_rope_head_dim) + kv * nh * (c.qk_nope_head_dim + c.v_head_dim)
+            proj += nh * c.v_head_dim * h
+            score = nh * (c.qk_head_dim + c.v_head_dim) / 2  # per pair: q.k and p v
+        else:
+            proj, score = h * (nq + 2 * nkv) + nq * h, nq
         total = 0.0
         for i in range(c.num_hidden_layers):
-            total += 2 * tokens * (h * (nq + 2 * nkv) + nq * h)  # q, k, v, o
-            total += 4 * pairs[i] * nq  # scores and P V
+            total += 2 * tokens * proj
+            total += 4 * pairs[i] * score  # scores and P V
             if c.is_moe(i):
                 e, k, mi = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-                total += 2 * tokens * (h * e + k * 3 * h * mi)
+                total += 2 * tokens * (h * e + (k + c.n_shared_experts) * 3 * h * mi)
             else:
                 total += 2 * tokens * 3 * h * c.intermediate_size
         return total

@@ -58,14 +58,17 @@ def _layer_specs(cfg: VerifierConfig, moe: bool) -> dict[str, tuple[tuple, tuple
     h, d = cfg.hidden_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     a = "self_attn."
-    layer = {
-        a + "q_proj.weight": ((nq, h), ("heads", "embed")),
-        a + "k_proj.weight": ((nkv, h), ("kv_heads", "embed")),
-        a + "v_proj.weight": ((nkv, h), ("kv_heads", "embed")),
-        a + "o_proj.weight": ((h, nq), ("embed", "heads")),
-        "input_layernorm.weight": ((h,), ("norm",)),
-        "post_attention_layernorm.weight": ((h,), ("norm",)),
-    }
+    if cfg.mla:
+        layer = _mla_specs(cfg)
+    else:
+        layer = {
+            a + "q_proj.weight": ((nq, h), ("heads", "embed")),
+            a + "k_proj.weight": ((nkv, h), ("kv_heads", "embed")),
+            a + "v_proj.weight": ((nkv, h), ("kv_heads", "embed")),
+            a + "o_proj.weight": ((h, nq), ("embed", "heads")),
+        }
+    layer["input_layernorm.weight"] = ((h,), ("norm",))
+    layer["post_attention_layernorm.weight"] = ((h,), ("norm",))
     if cfg.qkv_bias:
         layer[a + "q_proj.bias"] = ((nq,), ("heads",))
         layer[a + "k_proj.bias"] = ((nkv,), ("kv_heads",))
@@ -82,6 +85,13 @@ def _layer_specs(cfg: VerifierConfig, moe: bool) -> dict[str, tuple[tuple, tuple
     if moe:
         e, mi = cfg.num_experts, cfg.moe_intermediate_size
         layer[m + "gate.weight"] = ((e, h), (None, "embed"))
+        if cfg.router == "sigmoid":  # DeepSeek-V3: the choice's bias (fp32, as transformers)
+            layer[m + "gate.e_score_correction_bias"] = ((e,), (None,))
+        if cfg.n_shared_experts:
+            si, sh = cfg.n_shared_experts * mi, m + "shared_experts."
+            layer[sh + "gate_proj.weight"] = ((si, h), ("mlp", "embed"))
+            layer[sh + "up_proj.weight"] = ((si, h), ("mlp", "embed"))
+            layer[sh + "down_proj.weight"] = ((h, si), ("embed", "mlp"))
         # fsdp splits the experts (whole ones per device) when it divides E, else H
         layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, h), ("experts", "mlp", "embed"))
         layer[m + "experts.down_proj"] = ((e, h, mi), ("experts", "embed", "mlp"))
@@ -95,6 +105,37 @@ def _layer_specs(cfg: VerifierConfig, moe: bool) -> dict[str, tuple[tuple, tuple
             layer[m + "up_proj.bias"] = ((inter,), ("mlp",))
             layer[m + "down_proj.bias"] = ((h,), ("norm",))
     return layer
+
+
+def _mla_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
+    """Multi-head latent attention's projections (transformers' DeepseekV3Attention)."""
+    h, nh, a = cfg.hidden_size, cfg.num_attention_heads, "self_attn."
+    qk, r, kv = cfg.qk_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    out = {}
+    if cfg.q_lora_rank is None:
+        out[a + "q_proj.weight"] = ((nh * qk, h), ("heads", "embed"))
+    else:
+        q = cfg.q_lora_rank
+        out[a + "q_a_proj.weight"] = ((q, h), (None, "embed"))
+        out[a + "q_a_layernorm.weight"] = ((q,), ("norm",))
+        out[a + "q_b_proj.weight"] = ((nh * qk, q), ("heads", None))
+    out[a + "kv_a_proj_with_mqa.weight"] = ((kv + r, h), (None, "embed"))
+    out[a + "kv_a_layernorm.weight"] = ((kv,), ("norm",))
+    out[a + "kv_b_proj.weight"] = (
+        (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv),
+        ("heads", None),
+    )
+    out[a + "o_proj.weight"] = ((h, nh * cfg.v_head_dim), ("embed", "heads"))
+    return out
+
+
+# Parameters transformers keeps in fp32 whatever the model's dtype.
+FP32_PARAMS = ("e_score_correction_bias",)
+
+
+def held_dtype(name: str, dtype):
+    """The dtype parameter ``name`` is held in when the others are in ``dtype``."""
+    return jnp.float32 if name.endswith(FP32_PARAMS) else dtype
 
 
 def param_specs(cfg: VerifierConfig) -> dict[str, ParamSpec]:
@@ -277,15 +318,16 @@ def load_params(
         shardings = {n: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for n in table}
     else:
         shardings = param_shardings(cfg, mesh)
-    np_dtype = np.dtype(dtype)
 
-    def shard(read: Reader, index: tuple[slice, ...]) -> np.ndarray:
+    def shard(read: Reader, index: tuple[slice, ...], np_dtype) -> np.ndarray:
         a = read(index)  # a view of the memory map is copied; a stacked shard is new memory
         return a.astype(np_dtype, copy=not a.flags.owndata)
 
     return {
         name: jax.make_array_from_callback(
-            spec.shape, shardings[name], lambda index, r=read: shard(r, index)
+            spec.shape,
+            shardings[name],
+            lambda index, r=read, t=np.dtype(held_dtype(name, dtype)): shard(r, index, t),
         )
         for name, (spec, read) in table.items()
     }
@@ -309,5 +351,5 @@ def params_from_numpy(tensors: dict[str, np.ndarray], cfg: VerifierConfig, dtype
             a = np.stack([get(layer_key(name, i), spec.shape[1:]) for i in spec.layers])
         else:
             a = get(name, spec.shape)
-        out[name] = jnp.asarray(a, dtype)
+        out[name] = jnp.asarray(a, held_dtype(name, dtype))
     return out

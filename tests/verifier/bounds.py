@@ -21,11 +21,18 @@ def chain_depth(cfg, layer_id: int, seq: int) -> int:
     """Longest rounding chain up to layer id ``layer_id`` (fp32 roundings; each
     transcendental, rsqrt, exp, tanh, cos/sin, silu/gelu, counted as 4)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    per = h + h + d + seq + seq + cfg.num_attention_heads * d + h + h + cfg.intermediate_size
+    if cfg.mla:  # q: q_a (h), its norm and q_b (q_lora); kv: kv_a (h), its norm and kv_b
+        q = cfg.q_lora_rank or 0
+        attn = h + 2 * q + h + 2 * cfg.kv_lora_rank + cfg.qk_head_dim + seq + seq
+        attn += cfg.num_attention_heads * cfg.v_head_dim + 4  # o_proj; the rope's cos/sin
+    else:
+        attn = h + d + seq + seq + cfg.num_attention_heads * d
+    per = h + attn + h + h + cfg.intermediate_size
     per += 2 * h if cfg.gemma_norms else 0
     per += (d if cfg.qk_norm else 0) + 4 * 6
     if cfg.num_experts:
         per += h + cfg.num_experts + 2 * cfg.num_experts_per_tok + cfg.moe_intermediate_size
+        per += cfg.n_shared_experts * cfg.moe_intermediate_size + 4  # shared; the sigmoid
     return 8 + layer_id * per
 
 

@@ -115,6 +115,40 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
+    # DeepSeek-V3 / Kimi-K2: MLA (q and kv latents, decoupled interleaved RoPE, yarn with
+    # mscale), a dense first layer, then 8 sigmoid-routed experts in 4 groups (top 2
+    # groups, top 2 experts), a shared expert, routed_scaling_factor
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            num_key_value_heads=4,
+            head_dim=4,
+            q_lora_rank=16,
+            kv_lora_rank=12,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
     # Gemma 3 4B/12B/27B checkpoints: the multimodal wrapper (model_type gemma3, the text
     # model in text_config, its tensors under language_model.model.*) around the above
     "gemma3_multimodal": ("gemma3", dict()),
@@ -157,6 +191,9 @@ def build(name: str, folder, seed: int = 0, **shape):
                 p.copy_((0.0 if gemma else 1.0) + 0.3 * r)
             else:
                 p.copy_(0.3 * r)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's routing bias
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(folder)
     return model
 

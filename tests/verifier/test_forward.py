@@ -205,6 +205,47 @@ def test_planted_epsilon_off_by_10x(case, name):
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, rms_norm_eps=10 * c.cfg.rms_norm_eps)))
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(topk_group=4),  # the group limit missing: any 2 of the 8 experts
+        dict(rope_interleave=False),  # RoPE pairs the wrong halves
+        dict(routed_scaling_factor=1.0),
+        dict(n_shared_experts=0),
+        dict(query_scale=12**-0.5),  # yarn's mscale**2 left out of the softmax scale
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_planted_deepseek_bugs(case, change):
+    c = case("deepseek_v3")
+    params = c.params
+    if change == dict(n_shared_experts=0):
+        params = {k: v for k, v in params.items() if "shared_experts" not in k}
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, **change), params=params))
+
+
+def test_hf_extractor_equals_in_step_deepseek(case):
+    """launch.extract_hidden_states --backend hf (its HFExtractor, fp32) on the DeepSeek-V3
+    verifier equals the in-step forward within the same bound (it bounds each side's
+    distance from the exact forward)."""
+    from launch.hf_extract import HFExtractor
+
+    c = case("deepseek_v3")
+    ex = HFExtractor(str(c.folder), [1, 2], device="cpu", dtype="float32",
+                     compute_dtype="float32", attn_implementation="eager")  # fmt: skip
+    got = np.concatenate([t.float().numpy() for t in ex.extract([d.tolist() for d in c.docs])])
+    ours = c.run()[:, 1:]  # layer ids 1, 2 and the last (3): the extractor's slots
+    assert got.shape == ours.shape
+    proj = np.einsum("tjh,tjh->tj", c.c[:, 1:].astype(np.float64), (got - ours).astype(np.float64))
+    assert (np.abs(proj) <= c.bound[:, 1:]).all(), np.abs(proj / c.bound[:, 1:]).max()
+
+
+def test_planted_deepseek_routing_bias_ignored(case):
+    c = case("deepseek_v3")
+    params = {k: v * 0 if k.endswith("e_score_correction_bias") else v for k, v in c.params.items()}
+    _fails(c, c.run(params=params))
+
+
 def test_planted_softcap_dropped(case):
     c = case("gemma2")
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, attn_softcap=None)))

@@ -2,7 +2,7 @@
 in-step runs of tests/verifier/instep_fixtures.py (a random HF Qwen3 verifier, fp32) on
 meshes that shard the verifier and the drafter (fsdp, fsdp x tensor, data x fsdp), split
 rows over ``context`` (2, 4 and 8 devices: the verifier's context split, verifier/
-attention.py), and a Qwen3-MoE verifier with its expert tensors sharded. Each run's
+attention.py), and Qwen3-MoE and DeepSeek-V3 (MLA) verifiers with their experts sharded. Each run's
 training losses, accept_len and validation losses equal the one-device run's on the same
 batches (tests/train/conftest.py's LOSS_RTOL: the same fp32 sums in other orders)."""
 
@@ -65,18 +65,21 @@ def test_instep_run_on_a_mesh_equals_one_device(
     assert bool(split) == ("context" in mesh)
 
 
-@pytest.fixture(scope="module")
-def moe_setup(instep_setup, tmp_path_factory):
-    """The same data with a Qwen3-MoE verifier of the same shape (4 experts, top 2)."""
+# The MoE verifiers' shapes: the tiny trainer's, MLA's heads all key-value heads.
+MOE = {
+    "qwen3_moe": SHAPE,  # 4 experts, top 2
+    "deepseek_v3": {**SHAPE, "num_key_value_heads": 2},  # MLA; 8 experts in 4 groups, top 2
+}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_moe_verifier_with_sharded_experts_equals_one_device(instep_setup, tmp_path, family):
+    """The same data with an MoE verifier of the trainer's shape. Expert tensors [E, 2I, H]
+    and [E, H, I]: whole experts over fsdp=4, their width I over tensor=2."""
     from tests.verifier.hf_models import build
 
-    root, _, data = instep_setup
-    moe_root = tmp_path_factory.mktemp("moe")
-    model = build("qwen3_moe", moe_root / "verifier", **SHAPE)
-    return moe_root, model, data
-
-
-def test_moe_verifier_with_sharded_experts_equals_one_device(moe_setup, tmp_path):
-    """Expert tensors [E, 2I, H] and [E, H, I] split over fsdp (H) and tensor (I)."""
-    one = _run(moe_setup, tmp_path / "one")
-    _assert_equal_runs(_run(moe_setup, tmp_path / "mesh", "fsdp=4,tensor=2"), one)
+    _, _, data = instep_setup
+    model = build(family, tmp_path / "verifier", **MOE[family])
+    setup = (tmp_path, model, data)
+    one = _run(setup, tmp_path / "one")
+    _assert_equal_runs(_run(setup, tmp_path / "mesh", "fsdp=4,tensor=2"), one)
