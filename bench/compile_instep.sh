@@ -15,6 +15,7 @@ OUT=${OUT:-bench/results/compile_instep}
 mkdir -p "$OUT"
 QWEN="configs/qwen3_8b_shape/verifier 2,18,33 151643"
 LLAMA="configs/llama31_70b_shape/verifier 2,40,77 128002"  # <|reserved_special_token_0|>
+DSV3="configs/deepseek_v3_shape/verifier 2,30,58 128000"  # speculators' default layers
 # name, target, mesh, rows per step, tokens per row, verifier. The long-row rows split each
 # row over `context` (the verifier's attention gathers a layer's K/V per shard; docs/design.md,
 # "In-step verifier under a context split").
@@ -25,6 +26,7 @@ ROWS=(
   "llama70b-v5p-64 tpu:v5p:4x4x2 ${LLAMA70B_MESH:-fsdp=32} 32 8192 $LLAMA"
   "h200-8-256k gpu:h200:8 ${LONG_MESH:-fsdp=1,context=8} 1 262144 $QWEN"
   "h200-8-1m gpu:h200:8 ${LONG_MESH:-fsdp=1,context=8} 1 1048576 $QWEN"
+  "dsv3-h200-64 gpu:h200:8x8 ${DSV3_MESH:-fsdp=64} 64 8192 $DSV3"
 )
 for row in "${ROWS[@]}"; do
   read -r name target mesh rows seq verifier ids mask <<<"$row"

@@ -389,7 +389,7 @@ def _deepseek(d: dict[str, Any], n: int, need, where: str):
     )
     scale = (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]) ** -0.5
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
+    if rp.get("rope_type", rp.get("type", "default")) != "default" and rp.get("mscale_all_dim"):
         scale *= yarn_get_mscale(rp["factor"], rp["mscale_all_dim"]) ** 2
     return moe, mla, mla["qk_rope_head_dim"], scale
 
