@@ -33,6 +33,7 @@ FAMILIES = {
     "gemma3_text": "gemma",
     "deepseek_v3": "deepseek",  # MLA + grouped sigmoid-routed experts
     "kimi_k2": "deepseek",  # Kimi-K2's config.json name for the same architecture
+    "glm4_moe": "glm",  # GLM-4.5/4.6: GQA, partial RoPE, DeepSeek's sigmoid-routed experts
 }
 # multimodal model_type -> the model_type its text_config must have
 MULTIMODAL = {"gemma3": "gemma3_text"}
@@ -111,6 +112,8 @@ class VerifierConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # partial RoPE (GLM): only the first rotary_dim dims of each head rotate (None: all)
+    rotary_dim: int | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -253,6 +256,8 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     moe, mla = {}, {}
     if FAMILIES[mt] == "deepseek":  # hd: the rotary part's width (RoPE's tables)
         moe, mla, hd, query_scale = _deepseek(d, n, need, where)
+    elif FAMILIES[mt] == "glm":
+        moe = _sigmoid_moe(d, n, need, where)
     max_pos = int(need("max_position_embeddings"))
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act == "gelu_pytorch_tanh" or (gemma and act in ("gelu", "gelu_new")):
@@ -287,13 +292,20 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     else:
         params = rp if rp is not None else (d.get("rope_scaling") or {})
         theta = d.get("rope_theta", 10_000.0)
-        ropes = (("all", _rope_view(params, theta, hd, max_pos, f"{where} rope_parameters")),)
+        rd = hd
+        if FAMILIES[mt] == "glm":  # RoPE tables of the rotary part only
+            params = dict(params)
+            prf = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+            rd = int(hd * prf)
+            if rd < hd:
+                mla = {**mla, "rotary_dim": rd}
+        ropes = (("all", _rope_view(params, theta, rd, max_pos, f"{where} rope_parameters")),)
         layer_rope = ("all",) * n
 
     qkv_bias = {"qwen2": True, "qwen3_moe": bool(d.get("attention_bias"))}.get(
         mt, bool(d.get("attention_bias"))
     )
-    o_bias = False if mt == "qwen2" else qkv_bias
+    o_bias = False if mt in ("qwen2", "glm4_moe") else qkv_bias
     if mt == "qwen3_moe":
         e = int(d.get("num_experts") or need("num_local_experts"))  # 5.19 saves the latter
         step = int(d.get("decoder_sparse_step", 1))
@@ -315,7 +327,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             "Gemma 3; set it to null (the released Gemma 3 configs do)"
         )
     scalar = d.get("query_pre_attn_scalar") if gemma else None
-    if not mla:
+    if not mla.get("mla"):  # MLA set its own scale
         query_scale = float(scalar) ** -0.5 if scalar else hd**-0.5
     return VerifierConfig(
         model_type=mt,
@@ -329,7 +341,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         hidden_act=act,
         gemma_norms=gemma,
-        qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text") or bool(d.get("use_qk_norm")),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(d.get("mlp_bias", False)) and mt == "llama",
@@ -341,6 +353,30 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         ropes=ropes,
         **moe,
         **mla,
+    )
+
+
+def _sigmoid_moe(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
+    """DeepSeek-V3's (and GLM-4.5's) experts: dense layers before first_k_dense_replace,
+    then sigmoid-routed experts with the group limit and the shared experts."""
+    e = int(need("n_routed_experts"))
+    first_dense = int(d.get("first_k_dense_replace", 0))
+    n_group, topk_group = int(d.get("n_group", 1)), int(d.get("topk_group", 1))
+    if e % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(
+            f"{where}: n_routed_experts {e}, n_group {n_group}, topk_group {topk_group}"
+        )
+    return dict(
+        num_experts=e,
+        num_experts_per_tok=int(need("num_experts_per_tok")),
+        moe_intermediate_size=int(need("moe_intermediate_size")),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        layer_moe=tuple(i >= first_dense for i in range(n)),
+        router="sigmoid",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(d.get("n_shared_experts", 0)),
     )
 
 
@@ -358,25 +394,7 @@ def _deepseek(d: dict[str, Any], n: int, need, where: str):
         )
     if d.get("attention_bias"):
         raise UnsupportedVerifierError(f"{where}: attention_bias on MLA is not supported")
-    e = int(need("n_routed_experts"))
-    first_dense = int(d.get("first_k_dense_replace", 0))
-    n_group, topk_group = int(d.get("n_group", 1)), int(d.get("topk_group", 1))
-    if e % n_group or not 0 < topk_group <= n_group:
-        raise ValueError(
-            f"{where}: n_routed_experts {e}, n_group {n_group}, topk_group {topk_group}"
-        )
-    moe = dict(
-        num_experts=e,
-        num_experts_per_tok=int(need("num_experts_per_tok")),
-        moe_intermediate_size=int(need("moe_intermediate_size")),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        layer_moe=tuple(i >= first_dense for i in range(n)),
-        router="sigmoid",
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-        n_shared_experts=int(d.get("n_shared_experts", 0)),
-    )
+    moe = _sigmoid_moe(d, n, need, where)
     q_lora = d.get("q_lora_rank")
     mla = dict(
         mla=True,

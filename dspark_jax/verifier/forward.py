@@ -212,7 +212,13 @@ def _qkv(cfg, params, p, x, rope):
         q = _norm(cfg, q, params[p + "q_norm.weight"])
         k = _norm(cfg, k, params[p + "k_norm.weight"])
     cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rd = cfg.rotary_dim or d  # GLM rotates the first rotary_dim dims of each head
+    q, k = (
+        apply_rope(x, cos, sin)
+        if rd == d
+        else jnp.concatenate([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], axis=-1)
+        for x in (q, k)
+    )
     cd = params[p + "q_proj.weight"].dtype
     return q.astype(cd), k.astype(cd), v.astype(cd)
 

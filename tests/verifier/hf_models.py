@@ -149,6 +149,29 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
+    # GLM-4.5/4.6: GQA with q/k biases and norms, half of each head rotated, then
+    # DeepSeek's routing (8 experts in 4 groups, top 2 of 2 groups) and a shared expert
+    "glm4_moe": (
+        "glm4_moe",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
     # Gemma 3 4B/12B/27B checkpoints: the multimodal wrapper (model_type gemma3, the text
     # model in text_config, its tensors under language_model.model.*) around the above
     "gemma3_multimodal": ("gemma3", dict()),

@@ -240,6 +240,15 @@ def test_hf_extractor_equals_in_step_deepseek(case):
     assert (np.abs(proj) <= c.bound[:, 1:]).all(), np.abs(proj / c.bound[:, 1:]).max()
 
 
+def test_planted_glm_rotates_another_part(case):
+    """GLM rotates half of each head (partial_rotary_factor 0.5): rotating a quarter fails."""
+    c = case("glm4_moe")
+    assert c.cfg.rotary_dim == c.cfg.head_dim // 2 and c.cfg.qk_norm and c.cfg.qkv_bias
+    quarter = c.cfg.head_dim // 4
+    ropes = tuple((k, v._replace(head_dim=quarter)) for k, v in c.cfg.ropes)
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, rotary_dim=quarter, ropes=ropes)))
+
+
 def test_planted_deepseek_routing_bias_ignored(case):
     c = case("deepseek_v3")
     params = {k: v * 0 if k.endswith("e_score_correction_bias") else v for k, v in c.params.items()}
