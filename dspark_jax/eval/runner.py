@@ -212,13 +212,15 @@ class Evaluator:
         drafter: Drafter,
         frozen: FrozenWeights,
         settings: EvalSettings,
-        verifier: tuple[instep.InStepVerifier, dict, jax.sharding.Mesh | None] | None = None,
+        verifier: tuple[instep.InStepVerifier, dict] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
-        """``verifier``: (in-step verifier, its loaded parameters, their mesh or None) for
-        ``--hidden-states-backend jax``: each row's hidden states are computed first."""
+        """``verifier``: (in-step verifier, its loaded parameters) for
+        ``--hidden-states-backend jax``: each row's hidden states are computed first;
+        ``mesh``: the mesh its parameters are sharded over (None: one device)."""
         self.cfg = cfg = drafter.cfg
         self.verifier = verifier
-        self.mesh = None if verifier is None else verifier[2]
+        self.mesh = mesh
         if verifier is not None:
             self._fill = jax.jit(self._traced_fill)
         self.settings = settings
@@ -620,16 +622,16 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_new_tokens=args.max_new_tokens,
         eos_ids=verifier_eos_ids(verifier),
     )
-    in_step = None
+    in_step, mesh = None, None
     if args.hidden_states_backend == instep.BACKEND:
         if hs:
             raise EvalError("--hidden-states: --hidden-states-backend jax reads no files")
         iv = instep.build(str(verifier), cfg, args.verifier_dtype, args.hidden_states_dtype)
         mesh = _eval_mesh(args.mesh)
-        in_step = (iv, iv.load(mesh), mesh)
+        in_step = (iv, iv.load(mesh))
     elif args.mesh is not None:
         raise EvalError("--mesh applies to --hidden-states-backend jax only")
-    evaluator = Evaluator(drafter, frozen, settings, in_step)
+    evaluator = Evaluator(drafter, frozen, settings, in_step, mesh)
     has_conf = cfg.enable_confidence_head
     blocks = []
     for name, path in args.dataset:
