@@ -22,6 +22,20 @@ COMMON = dict(
     tie_word_embeddings=False,
 )
 
+# DeepSeek-V3's and GLM-4.5's experts: a dense first layer, then 8 sigmoid-routed experts
+# in 4 groups (top 2 experts of the 2 best groups), a shared one, routed_scaling_factor.
+ROUTED = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+
 # name -> (model_type, extra config). Windows of 4 keys and documents of 10-14 tokens make
 # every sliding layer differ from a full one.
 FAMILIES: dict[str, tuple[str, dict]] = {
@@ -128,15 +142,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             qk_nope_head_dim=8,
             qk_rope_head_dim=4,
             v_head_dim=6,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
+            **ROUTED,
             rope_parameters={
                 "rope_type": "yarn",
                 "factor": 4.0,
@@ -154,15 +160,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "glm4_moe": (
         "glm4_moe",
         dict(
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
+            **ROUTED,
             use_qk_norm=True,
             attention_bias=True,
             rope_parameters={
