@@ -549,7 +549,7 @@ def _eval_mesh(spec: str | None):
     try:
         return parallel.make_mesh(spec)
     except ValueError as e:
-        raise EvalError(f"--mesh {spec}: {e}") from None
+        raise EvalError(str(e)) from None  # parse_mesh's message names --mesh and the entry
 
 
 def _resolve_verifier(args, cfg: DSparkConfig) -> Path:

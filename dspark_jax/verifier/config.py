@@ -253,7 +253,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     n = int(need("num_hidden_layers"))
     nkv = int(d.get("num_key_value_heads") or nh)
     hd = int(d.get("head_dim") or h // nh)
-    moe, mla = {}, {}
+    moe, mla, partial = {}, {}, {}
     if FAMILIES[mt] == "deepseek":  # hd: the rotary part's width (RoPE's tables)
         moe, mla, hd, query_scale = _deepseek(d, n, need, where)
     elif FAMILIES[mt] == "glm":
@@ -298,7 +298,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             prf = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
             rd = int(hd * prf)
             if rd < hd:
-                mla = {**mla, "rotary_dim": rd}
+                partial = {"rotary_dim": rd}
         ropes = (("all", _rope_view(params, theta, rd, max_pos, f"{where} rope_parameters")),)
         layer_rope = ("all",) * n
 
@@ -327,7 +327,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             "Gemma 3; set it to null (the released Gemma 3 configs do)"
         )
     scalar = d.get("query_pre_attn_scalar") if gemma else None
-    if not mla.get("mla"):  # MLA set its own scale
+    if not mla:  # MLA set its own scale
         query_scale = float(scalar) ** -0.5 if scalar else hd**-0.5
     return VerifierConfig(
         model_type=mt,
@@ -353,6 +353,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         ropes=ropes,
         **moe,
         **mla,
+        **partial,
     )
 
 

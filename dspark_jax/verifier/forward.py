@@ -188,7 +188,7 @@ def _mla_qkv(cfg, params, p, x, rope):
     k_rot = kv[:, None, cfg.kv_lora_rank :]  # [T, 1, r]
     kvb = _linear(params, p + "kv_b_proj", latent).reshape(T, nh, nope + dv)
     k_nope, v = kvb[..., :nope], kvb[..., nope:]
-    q_rot, k_rot = q[..., nope:], k_rot
+    q_rot = q[..., nope:]
     if cfg.rope_interleave:
         q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
     cos, sin = rope
