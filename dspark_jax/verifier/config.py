@@ -34,11 +34,13 @@ FAMILIES = {
     "deepseek_v3": "deepseek",  # MLA + grouped sigmoid-routed experts
     "kimi_k2": "deepseek",  # Kimi-K2's config.json name for the same architecture
     "glm4_moe": "glm",  # GLM-4.5/4.6: GQA, partial RoPE, DeepSeek's sigmoid-routed experts
+    "kimi_linear": "kimi",  # Kimi-Linear: KDA layers, MLA without RoPE, sigmoid-routed experts
 }
 # multimodal model_type -> the model_type its text_config must have
 MULTIMODAL = {"gemma3": "gemma3_text"}
 SUPPORTED = (*FAMILIES, *MULTIMODAL)
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
+MIXERS = ("attention", "kda")  # what a layer mixes tokens with (LayerKind.mixer)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -53,6 +55,7 @@ class LayerKind(NamedTuple):
     window: int | None  # sliding window, None on full-attention layers
     rope: str  # key into VerifierConfig.ropes
     moe: bool
+    mixer: str = "attention"  # or "kda": Kimi Delta Attention (verifier/delta_rule.py)
 
 
 class RopeView(NamedTuple):
@@ -114,6 +117,15 @@ class VerifierConfig:
     rope_interleave: bool = False
     # partial RoPE (GLM): only the first rotary_dim dims of each head rotate (None: all)
     rotary_dim: int | None = None
+    # Kimi-Linear: MLA layers without RoPE (mla_rope False: the "rotary" part of k is
+    # shared by the heads but never rotated), and KDA layers (layer_mixers[i] == "kda"):
+    # kda_heads heads of kda_head_dim for q, k, v, a causal depthwise convolution of
+    # kda_conv taps on each, per-channel forget gates (transformers' KimiLinearDeltaAttention)
+    mla_rope: bool = True
+    layer_mixers: tuple[str, ...] = ()
+    kda_heads: int = 0
+    kda_head_dim: int = 0
+    kda_conv: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -135,8 +147,13 @@ class VerifierConfig:
     def is_moe(self, layer: int) -> bool:
         return bool(self.layer_moe) and self.layer_moe[layer]
 
+    def mixer(self, layer: int) -> str:
+        return self.layer_mixers[layer] if self.layer_mixers else "attention"
+
     def kind(self, layer: int) -> LayerKind:
-        return LayerKind(self.layer_windows[layer], self.layer_rope[layer], self.is_moe(layer))
+        return LayerKind(
+            self.layer_windows[layer], self.layer_rope[layer], self.is_moe(layer), self.mixer(layer)
+        )
 
     @property
     def layer_stacks(self) -> tuple[tuple[LayerKind, tuple[int, ...]], ...]:
@@ -253,9 +270,15 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     n = int(need("num_hidden_layers"))
     nkv = int(d.get("num_key_value_heads") or nh)
     hd = int(d.get("head_dim") or h // nh)
-    moe, mla, partial = {}, {}, {}
+    moe, mla, partial, mixers = {}, {}, {}, {}
     if FAMILIES[mt] == "deepseek":  # hd: the rotary part's width (RoPE's tables)
         moe, mla, hd, query_scale = _deepseek(d, n, need, where)
+    elif FAMILIES[mt] == "kimi":
+        if "max_position_embeddings" not in d:  # transformers 5.19 saves model_max_length
+            d = {**d, "max_position_embeddings": d.get("model_max_length")}
+        moe, mla, hd, query_scale = _deepseek(d, n, need, where, _kimi_moe(d, n, need, where))
+        mla["mla_rope"] = False
+        mixers = _kimi_mixers(d, n, need, where)
     elif FAMILIES[mt] == "glm":
         moe = _sigmoid_moe(d, n, need, where)
     max_pos = int(need("max_position_embeddings"))
@@ -267,7 +290,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     if nh % nkv:
         raise ValueError(f"{where}: num_attention_heads {nh} % num_key_value_heads {nkv} != 0")
 
-    types = _layer_types(d, mt, n)
+    types = ["full_attention"] * n if mixers else _layer_types(d, mt, n)
     if len(types) != n or any(t not in ATTENTION_TYPES for t in types):
         raise ValueError(f"{where}: layer_types {types} must be {n} of {ATTENTION_TYPES}")
     window = d.get("sliding_window")
@@ -354,6 +377,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         **moe,
         **mla,
         **partial,
+        **mixers,
     )
 
 
@@ -381,10 +405,76 @@ def _sigmoid_moe(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
     )
 
 
-def _deepseek(d: dict[str, Any], n: int, need, where: str):
-    """DeepSeek-V3's MoE and MLA fields, its rotary head width and query scale
-    (transformers 5.19 ``modeling_deepseek_v3``: ``scaling = qk_head_dim**-0.5``, times
-    yarn's ``mscale(factor, mscale_all_dim)**2`` for a scaled rope)."""
+def _kimi_moe(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
+    """Kimi-Linear's experts under their config.json names (transformers 5.19's
+    ``KimiLinearConfig.attribute_map``): DeepSeek-V3's sigmoid routing, its dense layers
+    from ``mlp_layer_types`` or ``first_k_dense_replace``."""
+    act = d.get("moe_router_activation_func", "sigmoid")
+    if act != "sigmoid":
+        raise UnsupportedVerifierError(f"{where}: moe_router_activation_func {act!r}")
+    e = int(d.get("num_experts") or 0)
+    if not e:
+        return {}
+    types = d.get("mlp_layer_types")
+    if types is None:
+        first = int(d.get("first_k_dense_replace", 1))
+        freq = int(d.get("moe_layer_freq", 1))
+        types = ["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)]
+    if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+        raise ValueError(f"{where}: mlp_layer_types {types} must be {n} of dense/sparse")
+    n_group, topk_group = int(d.get("num_expert_group", 1)), int(d.get("topk_group", 1))
+    if e % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(f"{where}: num_experts {e}, num_expert_group {n_group}, topk_group "
+                         f"{topk_group}")  # fmt: skip
+    return dict(
+        num_experts=e,
+        num_experts_per_tok=int(need("num_experts_per_token")),
+        moe_intermediate_size=int(need("moe_intermediate_size")),
+        norm_topk_prob=bool(d.get("moe_renormalize", True)),
+        layer_moe=tuple(t == "sparse" for t in types),
+        router="sigmoid",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(d.get("num_shared_experts", 0)),
+    )
+
+
+def _kimi_mixers(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
+    """Which layers are KDA, and KDA's shape: ``layer_types`` (linear_attention /
+    full_attention), else ``linear_attn_config``'s 1-indexed ``kda_layers`` and
+    ``full_attn_layers`` (the Hub's), else transformers' default (every 4th layer but the
+    first full)."""
+    lac = d.get("linear_attn_config") or {}
+    types = d.get("layer_types")
+    if types is None and "kda_layers" in lac and "full_attn_layers" in lac:
+        types = [None] * n
+        for i in lac["full_attn_layers"]:
+            types[i - 1] = "full_attention"
+        for i in lac["kda_layers"]:
+            types[i - 1] = "linear_attention"
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("full_attention", "linear_attention") for t in types):
+        raise ValueError(
+            f"{where}: layer_types {types} must be {n} of full_attention/linear_attention"
+        )
+    if d.get("mla_use_nope") is False:
+        raise UnsupportedVerifierError(
+            f"{where}: mla_use_nope false: transformers' Kimi-Linear MLA never applies RoPE"
+        )
+    return dict(
+        layer_mixers=tuple("kda" if t == "linear_attention" else "attention" for t in types),
+        kda_heads=int(lac.get("num_heads", d.get("linear_num_heads", 32))),
+        kda_head_dim=int(lac.get("head_dim", d.get("linear_head_dim", 128))),
+        kda_conv=int(lac.get("short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4))),
+    )
+
+
+def _deepseek(d: dict[str, Any], n: int, need, where: str, moe: dict | None = None):
+    """DeepSeek-V3's MoE (unless given) and MLA fields, its rotary head width and query
+    scale (transformers 5.19 ``modeling_deepseek_v3``: ``scaling = qk_head_dim**-0.5``,
+    times yarn's ``mscale(factor, mscale_all_dim)**2`` for a scaled rope)."""
     from dspark_jax.config import yarn_get_mscale
 
     nh, nkv = int(need("num_attention_heads")), int(d.get("num_key_value_heads") or 0)
@@ -395,7 +485,7 @@ def _deepseek(d: dict[str, Any], n: int, need, where: str):
         )
     if d.get("attention_bias"):
         raise UnsupportedVerifierError(f"{where}: attention_bias on MLA is not supported")
-    moe = _sigmoid_moe(d, n, need, where)
+    moe = _sigmoid_moe(d, n, need, where) if moe is None else moe
     q_lora = d.get("q_lora_rank")
     mla = dict(
         mla=True,

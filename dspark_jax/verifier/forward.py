@@ -18,6 +18,7 @@ on the sequence length (dynamic, longrope) use each document's own length.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -33,6 +34,7 @@ from dspark_jax.model.layers import (
     rope_frequencies,
     rope_tables,
 )
+from dspark_jax.verifier import delta_rule
 from dspark_jax.verifier.attention import (
     dense_document_causal_attention,
     document_causal_attention,
@@ -191,8 +193,9 @@ def _mla_qkv(cfg, params, p, x, rope):
     q_rot = q[..., nope:]
     if cfg.rope_interleave:
         q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
-    cos, sin = rope
-    q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+    if cfg.mla_rope:  # Kimi-Linear's MLA leaves the "rotary" part unrotated
+        cos, sin = rope
+        q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
     q = jnp.concatenate([q[..., :nope], q_rot], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (T, nh, r))], axis=-1)
     cd = params[p + "kv_b_proj.weight"].dtype
@@ -223,6 +226,54 @@ def _qkv(cfg, params, p, x, rope):
     return q.astype(cd), k.astype(cd), v.astype(cd)
 
 
+def _causal_conv(x: jax.Array, w: jax.Array, document_ids: jax.Array) -> jax.Array:
+    """Depthwise causal convolution, x [T, D] fp32, w [D, 1, K] (torch's Conv1d with
+    groups=D and K-1 zeros in front): out[t] = sum_j w[:, j] x[t - K + 1 + j], the taps
+    before a document's first token zero (its own forward's padding)."""
+    K = w.shape[-1]
+    w = w[:, 0, :].astype(_F32)
+    out = x * w[:, K - 1]
+    for s in range(1, K):
+        earlier = jnp.pad(x, ((s, 0), (0, 0)))[: len(x)]
+        docs = jnp.pad(document_ids, (s, 0), constant_values=jnp.iinfo(jnp.int32).min)
+        out = (
+            out
+            + jnp.where((docs[: len(x)] == document_ids)[:, None], earlier, 0.0) * w[:, K - 1 - s]
+        )
+    return out
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    """FLA's l2norm (transformers' Kimi ``l2norm``): x / sqrt(sum x^2 + 1e-6)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _kda(cfg, params, p, x, document_ids, dense: bool, chunk: int) -> jax.Array:
+    """Kimi Delta Attention (transformers' KimiLinearDeltaAttention) over a packed row,
+    x [T, H] fp32 -> [T, H] fp32: q, k, v through a causal convolution and SiLU, q and k
+    l2-normalised per head; per-channel forget gates g = -exp(A_log) softplus(f(x) +
+    dt_bias); write strengths beta = sigmoid(b(x)); the gated delta rule
+    (verifier/delta_rule.py; ``dense``: its token-by-token form); a gated RMS norm
+    (o_norm(o) * sigmoid(g(x))) and o_proj."""
+    T, nh, d = x.shape[0], cfg.kda_heads, cfg.kda_head_dim
+    q, k, v = (
+        jax.nn.silu(_causal_conv(_linear(params, p + f"{n}_proj", x),
+                                 params[p + f"{n}_conv1d.weight"], document_ids)).reshape(T, nh, d)
+        for n in "qkv"
+    )  # fmt: skip
+    q, k = _l2_normalize(q), _l2_normalize(k)
+    f = _linear(params, p + "f_b_proj", _linear(params, p + "f_a_proj", x))
+    f = (f + params[p + "dt_bias"].astype(_F32)).reshape(T, nh, d)
+    rate = jnp.exp(params[p + "A_log"].astype(_F32).reshape(nh, 1))
+    g = -rate * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))  # softplus
+    beta = jax.nn.sigmoid(_linear(params, p + "b_proj", x))
+    rule = delta_rule.recurrent if dense else functools.partial(delta_rule.chunked, chunk=chunk)
+    o = rule(q, k, v, g, beta, document_ids)
+    gate = _linear(params, p + "g_b_proj", _linear(params, p + "g_a_proj", x)).reshape(T, nh, d)
+    o = rms_norm(o, params[p + "o_norm.weight"].astype(_F32), cfg.rms_norm_eps)
+    return _linear(params, p + "o_proj", (o * jax.nn.sigmoid(gate)).reshape(T, nh * d))
+
+
 def _attention_options(cfg: VerifierConfig, kind: LayerKind) -> dict:
     return dict(scale=cfg.query_scale, sliding_window=kind.window, softcap=cfg.attn_softcap)
 
@@ -244,7 +295,12 @@ def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x: jax.Array, ropes
     """One decoder layer; ``lp`` holds its parameters by their name within the layer
     (``self_attn.q_proj.weight``); x [S, H] fp32 -> [S, H] fp32."""
     h = _norm(cfg, x, lp["input_layernorm.weight"])
-    h = _attention(cfg, lp, "self_attn.", kind, h, ropes[kind.rope], doc, *opts)
+    dense, q_block, kv_chunk, kda_chunk = opts
+    if kind.mixer == "kda":
+        h = _kda(cfg, lp, "self_attn.", h, doc, dense, kda_chunk)
+    else:
+        h = _attention(cfg, lp, "self_attn.", kind, h, ropes[kind.rope], doc, dense, q_block,
+                       kv_chunk)  # fmt: skip
     return _after_attention(cfg, kind, lp, x, h)
 
 
@@ -340,12 +396,14 @@ def hidden_states(
     dense_attention: bool = False,
     q_block: int = 128,
     kv_chunk: int = 512,
+    kda_chunk: int = 64,
 ) -> jax.Array:
     """One packed row -> [S, len(layer_ids), Ht] in ``out_dtype`` (default: the params').
 
     input_ids, position_ids (restarting at 0 per document), document_ids (-1 = padding)
     are [S] ints; layer_ids ascending in [0, N] (see :meth:`VerifierConfig.check_layer_ids`).
-    Layers above the largest id are not run. ``dense_attention``: the [S, S] oracle (tests).
+    Layers above the largest id are not run. ``dense_attention``: the [S, S] oracle (tests),
+    and KDA's token-by-token recurrence; ``kda_chunk``: KDA's chunk length.
 
     The layers between two captured ids run as :func:`layer_blocks`: one ``lax.scan``
     per block over the stacked weights (weights.py), so the compiled program holds a
@@ -361,7 +419,7 @@ def hidden_states(
     out_dtype = params["embed_tokens.weight"].dtype if out_dtype is None else out_dtype
     x = parallel.constrain_tokens(_embed(cfg, params, input_ids))
     ropes = rope_for_row(cfg, position_ids, document_ids)
-    opts = (dense_attention, q_block, kv_chunk)
+    opts = (dense_attention, q_block, kv_chunk, kda_chunk)
     kinds = [cfg.kind(i) for i in range(cfg.num_hidden_layers)]
     captured = [x] if 0 in layer_ids else []
 
@@ -401,6 +459,8 @@ def drafted_blocks_supported(cfg: VerifierConfig) -> str | None:
     """Why :func:`drafted_hidden` cannot run this verifier, or None. Its block pass uses the
     drafter's anchored-block attention, which has neither sliding windows, soft caps nor a
     query scale other than head_dim**-0.5."""
+    if "kda" in cfg.layer_mixers:
+        return "linear-attention (KDA) layers"
     if cfg.mla:
         return "multi-head latent attention"
     if any(w is not None for w in cfg.layer_windows):

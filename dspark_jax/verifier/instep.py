@@ -91,14 +91,28 @@ class InStepVerifier:
             proj, score = h * (nq + 2 * nkv) + nq * h, nq
         total = 0.0
         for i in range(c.num_hidden_layers):
-            total += 2 * tokens * proj
-            total += 4 * pairs[i] * score  # scores and P V
+            if c.mixer(i) == "kda":
+                total += tokens * self._kda_flops()
+            else:
+                total += 2 * tokens * proj
+                total += 4 * pairs[i] * score  # scores and P V
             if c.is_moe(i):
                 e, k, mi = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
                 total += 2 * tokens * (h * e + (k + c.n_shared_experts) * 3 * h * mi)
             else:
                 total += 2 * tokens * 3 * h * c.intermediate_size
         return total
+
+    def _kda_flops(self, chunk: int = 64) -> float:
+        """Matmul FLOPs per token of a KDA layer (verifier/delta_rule.py's chunked form):
+        q/k/v/o, the gates' low-rank pairs and beta; per head, the chunk's pair products
+        (its writes' matrix and the scores, C pairs of dk), the triangular solve (C^2/2),
+        W's two products, and the state's three [dk, dv] products (read, write, out)."""
+        c = self.cfg
+        h, nh, d = c.hidden_size, c.kda_heads, c.kda_head_dim
+        proj = 2 * (4 * h * nh * d + 2 * (h * d + d * nh * d) + h * nh)
+        per_head = 2 * (2 * chunk * d + chunk * chunk / 2 + 2 * chunk * d + 3 * d * d)
+        return proj + nh * per_head
 
     def fill(self, params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> dict:
         """The batch with ``hidden_states`` [B, S, n_aux * H] (aux slots layer-major, in the

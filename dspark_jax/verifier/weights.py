@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from dspark_jax import hf_folder
 from dspark_jax.data.files import DataError, SafetensorsFile
 from dspark_jax.parallel import logical_spec
-from dspark_jax.verifier.config import VerifierConfig
+from dspark_jax.verifier.config import LayerKind, VerifierConfig
 
 
 class VerifierCheckpointError(DataError):
@@ -53,12 +53,14 @@ def layer_key(name: str, layer: int) -> str:
     return f"layers.{layer}.{name.split('.', 2)[2]}"
 
 
-def _layer_specs(cfg: VerifierConfig, moe: bool) -> dict[str, tuple[tuple, tuple]]:
+def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple, tuple]]:
     """One decoder layer's parameters (name after ``layers.{i}.``): shape, logical axes."""
-    h, d = cfg.hidden_size, cfg.head_dim
+    h, d, moe = cfg.hidden_size, cfg.head_dim, kind.moe
     nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     a = "self_attn."
-    if cfg.mla:
+    if kind.mixer == "kda":
+        layer = _kda_specs(cfg)
+    elif cfg.mla:
         layer = _mla_specs(cfg)
     else:
         layer = {
@@ -69,13 +71,13 @@ def _layer_specs(cfg: VerifierConfig, moe: bool) -> dict[str, tuple[tuple, tuple
         }
     layer["input_layernorm.weight"] = ((h,), ("norm",))
     layer["post_attention_layernorm.weight"] = ((h,), ("norm",))
-    if cfg.qkv_bias:
+    if cfg.qkv_bias and kind.mixer == "attention":
         layer[a + "q_proj.bias"] = ((nq,), ("heads",))
         layer[a + "k_proj.bias"] = ((nkv,), ("kv_heads",))
         layer[a + "v_proj.bias"] = ((nkv,), ("kv_heads",))
     if cfg.o_bias:
         layer[a + "o_proj.bias"] = ((h,), ("norm",))
-    if cfg.qk_norm:
+    if cfg.qk_norm and kind.mixer == "attention":
         layer[a + "q_norm.weight"] = ((d,), ("norm",))
         layer[a + "k_norm.weight"] = ((d,), ("norm",))
     if cfg.gemma_norms:
@@ -129,6 +131,27 @@ def _mla_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
     return out
 
 
+def _kda_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
+    """Kimi Delta Attention's parameters under the Hub's names (what transformers 5.19
+    saves: one depthwise convolution per q, k, v; the forget gate's at the attention's
+    level)."""
+    h, nh, d, a = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, "self_attn."
+    inner = nh * d
+    out = {a + f"{x}_proj.weight": ((inner, h), ("heads", "embed")) for x in "qkv"}
+    out |= {a + f"{x}_conv1d.weight": ((inner, 1, cfg.kda_conv), ("heads", None, None))
+            for x in "qkv"}  # fmt: skip
+    out[a + "f_a_proj.weight"] = ((d, h), (None, "embed"))
+    out[a + "f_b_proj.weight"] = ((inner, d), ("heads", None))
+    out[a + "dt_bias"] = ((inner,), ("heads",))
+    out[a + "A_log"] = ((1, 1, nh, 1), (None, None, "heads", None))
+    out[a + "b_proj.weight"] = ((nh, h), ("heads", "embed"))
+    out[a + "g_a_proj.weight"] = ((d, h), (None, "embed"))
+    out[a + "g_b_proj.weight"] = ((inner, d), ("heads", None))
+    out[a + "o_norm.weight"] = ((d,), ("norm",))
+    out[a + "o_proj.weight"] = ((h, inner), ("embed", "heads"))
+    return out
+
+
 # Parameters transformers keeps in fp32 whatever the model's dtype.
 FP32_PARAMS = ("e_score_correction_bias",)
 
@@ -147,7 +170,7 @@ def param_specs(cfg: VerifierConfig) -> dict[str, ParamSpec]:
         "embed_tokens.weight": ParamSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
     }
     for j, (kind, layers) in enumerate(cfg.layer_stacks):
-        for name, (shape, axes) in _layer_specs(cfg, kind.moe).items():
+        for name, (shape, axes) in _layer_specs(cfg, kind).items():
             specs[f"stacks.{j}.{name}"] = ParamSpec(
                 (len(layers), *shape), ("layers", *axes), layers
             )
@@ -212,11 +235,39 @@ class Checkpoint:
 
 Reader = Callable[[tuple[slice, ...]], np.ndarray]
 
+# Other names of a layer's module on the Hub: Kimi's sparse blocks are block_sparse_moe
+# (transformers 5.19 saves its dense MLPs under that name too).
+MODULE_ALIASES = {"mlp.": ("block_sparse_moe.",)}
+# Per-expert tensors of the stacked gate_up_proj (gate rows first) and down_proj: HF's
+# names, then Mixtral's and Kimi's (w1 gate, w3 up, w2 down).
+EXPERT_PARTS = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+
+
+def _on_disk(ckpt: Checkpoint, name: str) -> str:
+    """``name`` as the checkpoint spells it (MODULE_ALIASES), or ``name`` when absent."""
+    if name in ckpt:
+        return name
+    for ours, others in MODULE_ALIASES.items():
+        head, sep, tail = name.partition("." + ours)
+        for other in others if sep else ():
+            if f"{head}.{other}{tail}" in ckpt:
+                return f"{head}.{other}{tail}"
+    return name
+
 
 def _expert_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reader:
     """Stacked experts from per-expert tensors (``experts.{e}.gate_proj.weight`` ...)."""
     base = name.rsplit("experts.", 1)[0] + "experts."
-    parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+    bases = [base]
+    for ours, others in MODULE_ALIASES.items():  # the module's name on disk
+        head, sep, tail = base.partition("." + ours)
+        bases += [f"{head}.{other}{tail}" for other in others] if sep else []
+    names = EXPERT_PARTS[name.rsplit(".", 1)[1]]
+    found = [(b, p) for b in bases for p in names if f"{b}0.{p[0]}.weight" in ckpt]
+    base, parts = found[0] if found else (base, names[0])
     e_count, rows = shape[0], shape[1] // len(parts)
     for e in range(e_count):
         for part in parts:
@@ -253,6 +304,7 @@ def _expert_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reade
 
 def _tensor_reader(ckpt: Checkpoint, cfg: VerifierConfig, name: str, shape: tuple) -> Reader:
     """Slices of one HF tensor, after checking it exists with ``shape``."""
+    name = _on_disk(ckpt, name)
     if name not in ckpt and ".experts." in name:
         return _expert_reader(ckpt, name, shape)
     if name not in ckpt:

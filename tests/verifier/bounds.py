@@ -17,7 +17,7 @@ import numpy as np
 from dspark_jax.verifier import hidden_states
 
 
-def chain_depth(cfg, layer_id: int, seq: int) -> int:
+def chain_depth(cfg, layer_id: int, seq: int, chunk: int = 64) -> int:
     """Longest rounding chain up to layer id ``layer_id`` (fp32 roundings; each
     transcendental, rsqrt, exp, tanh, cos/sin, silu/gelu, counted as 4)."""
     h, d = cfg.hidden_size, cfg.head_dim
@@ -27,13 +27,20 @@ def chain_depth(cfg, layer_id: int, seq: int) -> int:
         attn += cfg.num_attention_heads * cfg.v_head_dim + 4  # o_proj; the rope's cos/sin
     else:
         attn = h + d + seq + seq + cfg.num_attention_heads * d
-    per = h + attn + h + h + cfg.intermediate_size
-    per += 2 * h if cfg.gemma_norms else 0
-    per += (d if cfg.qk_norm else 0) + 4 * 6
+    if cfg.kda_heads:  # KDA: the forget gate's two projections, softplus (exp, log) and rate
+        dk = cfg.kda_head_dim
+        gate = h + dk + 1 + 12
+        # q/k/v: projection, convolution, SiLU, l2 norm; the state's chain over the
+        # document (per token a decay (exp), S^T k, the write) or, chunked, the chunk's
+        # triangular solve and decays; the gated norm and o_proj
+        kda = max(gate, h + cfg.kda_conv + 4 + dk + 4) + 4 + seq * (dk + 12)
+        kda += min(chunk, seq) * (dk + 8) + dk + 4 + 4 + cfg.kda_heads * dk
+    rest = h + h + h + cfg.intermediate_size + (2 * h if cfg.gemma_norms else 0)
+    rest += (d if cfg.qk_norm else 0) + 4 * 6
     if cfg.num_experts:
-        per += h + cfg.num_experts + 2 * cfg.num_experts_per_tok + cfg.moe_intermediate_size
-        per += cfg.n_shared_experts * cfg.moe_intermediate_size + 4  # shared; the sigmoid
-    return 8 + layer_id * per
+        rest += h + cfg.num_experts + 2 * cfg.num_experts_per_tok + cfg.moe_intermediate_size
+        rest += cfg.n_shared_experts * cfg.moe_intermediate_size + 4  # shared; the sigmoid
+    return 8 + sum(rest + (kda if cfg.mixer(i) == "kda" else attn) for i in range(layer_id))
 
 
 def projection_sensitivity(params, cfg, ids, pos, doc, layer_ids, c) -> np.ndarray:

@@ -170,6 +170,38 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
+    # Kimi-Linear: KDA, MLA without RoPE (no q latent), KDA; a dense first layer, then
+    # DeepSeek's routing under Kimi's config names (8 experts in 4 groups, top 2 of 2)
+    "kimi_linear": (
+        "kimi_linear",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=12,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            num_experts=8,
+            num_experts_per_token=2,
+            num_expert_group=4,
+            topk_group=2,
+            moe_intermediate_size=16,
+            num_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            moe_renormalize=True,
+            linear_attn_config=dict(
+                head_dim=8,
+                num_heads=4,
+                short_conv_kernel_size=4,
+                kda_layers=[1, 3],
+                full_attn_layers=[2],
+            ),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Gemma 3 4B/12B/27B checkpoints: the multimodal wrapper (model_type gemma3, the text
     # model in text_config, its tensors under language_model.model.*) around the above
     "gemma3_multimodal": ("gemma3", dict()),
@@ -215,6 +247,9 @@ def build(name: str, folder, seed: int = 0, **shape):
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # DeepSeek's routing bias
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
+        for pname, p in model.named_parameters():
+            if pname.endswith("A_log"):  # KDA: decay rates 0.02-0.2, so the state carries
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.2, generator=g).log())
     model.save_pretrained(folder)
     return model
 

@@ -37,7 +37,7 @@ from tests.verifier.hf_models import FAMILIES, build, hf_hidden_states
 LAYER_IDS = (0, 1, 2, 3)  # embedding, every layer, the last one pre-norm
 DOC_LENGTHS = (10, 14)
 PAD = 4
-BLOCKS = dict(q_block=8, kv_chunk=8)  # 4 query blocks, 4 key chunks: ranges are exercised
+BLOCKS = dict(q_block=8, kv_chunk=8, kda_chunk=8)  # 4 query blocks, 4 key chunks, 4 KDA chunks
 
 
 def packed_row():
@@ -224,13 +224,14 @@ def test_planted_deepseek_bugs(case, change):
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, **change), params=params))
 
 
-def test_hf_extractor_equals_in_step_deepseek(case):
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear"])
+def test_hf_extractor_equals_in_step(case, name):
     """launch.extract_hidden_states --backend hf (its HFExtractor, fp32) on the DeepSeek-V3
-    verifier equals the in-step forward within the same bound (it bounds each side's
-    distance from the exact forward)."""
+    and Kimi-Linear verifiers equals the in-step forward within the same bound (it bounds
+    each side's distance from the exact forward)."""
     from launch.hf_extract import HFExtractor
 
-    c = case("deepseek_v3")
+    c = case(name)
     ex = HFExtractor(str(c.folder), [1, 2], device="cpu", dtype="float32",
                      compute_dtype="float32", attn_implementation="eager")  # fmt: skip
     got = np.concatenate([t.float().numpy() for t in ex.extract([d.tolist() for d in c.docs])])
@@ -247,6 +248,50 @@ def test_planted_glm_rotates_another_part(case):
     quarter = c.cfg.head_dim // 4
     ropes = tuple((k, v._replace(head_dim=quarter)) for k, v in c.cfg.ropes)
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, rotary_dim=quarter, ropes=ropes)))
+
+
+def test_kda_chunked_equals_recurrent(case):
+    """KDA's chunked form (chunks of 4, 8 and 64 tokens: document edges inside chunks and
+    on their edges) and its token-by-token recurrence are the same function."""
+    c = case("kimi_linear")
+    assert c.cfg.layer_mixers == ("kda", "attention", "kda") and not c.cfg.mla_rope
+    c.check(c.run(dense_attention=True), what=" (recurrent KDA, dense attention)")
+    for chunk in (4, 64):
+        c.check(c.run(kda_chunk=chunk), what=f" (KDA chunks of {chunk})")
+
+
+def _merged_documents(doc):
+    return jnp.where(doc >= 0, 0, doc)
+
+
+@pytest.mark.parametrize(
+    "bug", ["state_not_reset", "state_dropped_between_chunks", "conv_across_documents"]
+)
+def test_planted_kda_bugs(case, monkeypatch, bug):
+    """The recurrent state carried into the next document, or not carried from one chunk
+    to the next; the convolution reading the previous document's last tokens."""
+    c = case("kimi_linear")
+    rule, conv = fwd.delta_rule.chunked, fwd._causal_conv
+    if bug == "state_not_reset":
+        monkeypatch.setattr(
+            fwd.delta_rule, "chunked",
+            lambda *a, chunk: rule(*a[:5], _merged_documents(a[5]), chunk=chunk),
+        )  # fmt: skip
+    elif bug == "state_dropped_between_chunks":  # every chunk a document of its own
+        monkeypatch.setattr(
+            fwd.delta_rule, "chunked",
+            lambda *a, chunk: rule(*a[:5], a[5] * 1000 + jnp.arange(len(a[5])) // chunk,
+                                   chunk=chunk),
+        )  # fmt: skip
+    else:
+        monkeypatch.setattr(fwd, "_causal_conv", lambda x, w, d: conv(x, w, _merged_documents(d)))
+    _fails(c, c.run())
+
+
+def test_planted_kimi_mla_rotated(case):
+    """Kimi-Linear's MLA has no RoPE: rotating its shared part (as DeepSeek does) fails."""
+    c = case("kimi_linear")
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, mla_rope=True)))
 
 
 def test_planted_deepseek_routing_bias_ignored(case):

@@ -2,7 +2,7 @@
 in-step runs of tests/verifier/instep_fixtures.py (a random HF Qwen3 verifier, fp32) on
 meshes that shard the verifier and the drafter (fsdp, data x fsdp x tensor), split
 rows over ``context`` (4 devices: the verifier's context split, verifier/
-attention.py), and Qwen3-MoE and DeepSeek-V3 (MLA) verifiers with their experts sharded. Each run's
+attention.py), and Qwen3-MoE and Kimi-Linear (KDA, MLA) verifiers with their experts sharded. Each run's
 training losses, accept_len and validation losses equal the one-device run's on the same
 batches (tests/train/conftest.py's LOSS_RTOL: the same fp32 sums in other orders)."""
 
@@ -67,9 +67,21 @@ def test_instep_run_on_a_mesh_equals_one_device(
 
 
 # The MoE verifiers' shapes: the tiny trainer's, MLA's heads all key-value heads.
+# Kimi-Linear has DeepSeek-V3's MLA (unrotated) and routing, and KDA layers (3 of the 4,
+# their heads over tensor); DeepSeek-V3's own forward is test_forward's.
 MOE = {
     "qwen3_moe": SHAPE,  # 4 experts, top 2
-    "deepseek_v3": {**SHAPE, "num_key_value_heads": 2},  # MLA; 8 experts in 4 groups, top 2
+    "kimi_linear": {  # 8 experts in 4 groups, top 2
+        **SHAPE,
+        "num_key_value_heads": 2,
+        "linear_attn_config": dict(
+            head_dim=4,
+            num_heads=2,
+            short_conv_kernel_size=4,
+            kda_layers=[1, 2, 4],
+            full_attn_layers=[3],
+        ),
+    },
 }
 
 
