@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import dspark_jax.verifier.delta_rule as delta_rule
 from dspark_jax import parallel
 from dspark_jax.model.attention import anchored_block_attention
 from dspark_jax.model.layers import (
@@ -34,7 +35,6 @@ from dspark_jax.model.layers import (
     rope_frequencies,
     rope_tables,
 )
-from dspark_jax.verifier import delta_rule
 from dspark_jax.verifier.attention import (
     dense_document_causal_attention,
     document_causal_attention,
