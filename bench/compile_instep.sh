@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --hidden-states-backend jax compiled for slices (bench/README.md, "In-step verifier"):
-# a Qwen3-8B-shaped verifier (configs/qwen3_8b_shape) or a Llama-3.1-70B-shaped one
-# (configs/llama31_70b_shape), config.json only, + a 1-layer drafter, 8192 tokens, 1 row
+# a Qwen3-8B-shaped verifier (configs/qwen3_8b_shape), a Llama-3.1-70B-shaped one
+# (configs/llama31_70b_shape), DeepSeek-V3's and Kimi-Linear-48B-A3B's, config.json only, + a 1-layer drafter, 8192 tokens, 1 row
 # per chip (the long-row rows: one row of 256K or 1M tokens split over 8 GPUs); target
 # layer ids as speculators' default (2, N // 2, N - 3). Needs the tpu
 # extra (the h200 row: the cuda-compile extra).
@@ -16,6 +16,7 @@ mkdir -p "$OUT"
 QWEN="configs/qwen3_8b_shape/verifier 2,18,33 151643"
 LLAMA="configs/llama31_70b_shape/verifier 2,40,77 128002"  # <|reserved_special_token_0|>
 DSV3="configs/deepseek_v3_shape/verifier 2,30,58 128000"  # speculators' default layers
+KIMI_LINEAR="configs/kimi_linear_48b_shape/verifier 2,13,24 163838"
 # name, target, mesh, rows per step, tokens per row, verifier. The long-row rows split each
 # row over `context` (the verifier's attention gathers a layer's K/V per shard; docs/design.md,
 # "In-step verifier under a context split").
@@ -27,6 +28,9 @@ ROWS=(
   "h200-8-256k gpu:h200:8 ${LONG_MESH:-fsdp=1,context=8} 1 262144 $QWEN"
   "h200-8-1m gpu:h200:8 ${LONG_MESH:-fsdp=1,context=8} 1 1048576 $QWEN"
   "dsv3-h200-64 gpu:h200:8x8 ${DSV3_MESH:-fsdp=64} 64 8192 $DSV3"
+  "kimilinear-v5p-8 tpu:v5p:2x2x1 ${KIMI_LINEAR_MESH:-fsdp=4} 4 8192 $KIMI_LINEAR"
+  "kimilinear-v5p-16 tpu:v5p:2x2x2 ${KIMI_LINEAR_MESH:-fsdp=8} 8 8192 $KIMI_LINEAR"
+  "kimilinear-h200-8 gpu:h200:8 ${KIMI_LINEAR_MESH:-fsdp=8} 8 8192 $KIMI_LINEAR"
 )
 for row in "${ROWS[@]}"; do
   read -r name target mesh rows seq verifier ids mask <<<"$row"

@@ -35,12 +35,15 @@ FAMILIES = {
     "kimi_k2": "deepseek",  # Kimi-K2's config.json name for the same architecture
     "glm4_moe": "glm",  # GLM-4.5/4.6: GQA, partial RoPE, DeepSeek's sigmoid-routed experts
     "kimi_linear": "kimi",  # Kimi-Linear: KDA layers, MLA without RoPE, sigmoid-routed experts
+    "qwen3_next": "qwen3_next",  # Gated DeltaNet layers, gated attention, (1 + w) norms
 }
 # multimodal model_type -> the model_type its text_config must have
 MULTIMODAL = {"gemma3": "gemma3_text"}
 SUPPORTED = (*FAMILIES, *MULTIMODAL)
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
-MIXERS = ("attention", "kda")  # what a layer mixes tokens with (LayerKind.mixer)
+# what a layer mixes tokens with (LayerKind.mixer): attention, Kimi Delta Attention, or
+# Qwen3-Next's Gated DeltaNet (verifier/delta_rule.py runs both linear ones)
+MIXERS = ("attention", "kda", "gdn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -55,7 +58,7 @@ class LayerKind(NamedTuple):
     window: int | None  # sliding window, None on full-attention layers
     rope: str  # key into VerifierConfig.ropes
     moe: bool
-    mixer: str = "attention"  # or "kda": Kimi Delta Attention (verifier/delta_rule.py)
+    mixer: str = "attention"  # or "kda" / "gdn" (MIXERS)
 
 
 class RopeView(NamedTuple):
@@ -118,14 +121,25 @@ class VerifierConfig:
     # partial RoPE (GLM): only the first rotary_dim dims of each head rotate (None: all)
     rotary_dim: int | None = None
     # Kimi-Linear: MLA layers without RoPE (mla_rope False: the "rotary" part of k is
-    # shared by the heads but never rotated), and KDA layers (layer_mixers[i] == "kda"):
-    # kda_heads heads of kda_head_dim for q, k, v, a causal depthwise convolution of
-    # kda_conv taps on each, per-channel forget gates (transformers' KimiLinearDeltaAttention)
+    # shared by the heads but never rotated). Linear-attention layers (layer_mixers[i]
+    # "kda": Kimi's KimiLinearDeltaAttention, per-channel forget gates; "gdn": Qwen3-Next's
+    # Gated DeltaNet, one forget gate per head): linear_heads value heads of linear_v_dim,
+    # linear_k_heads key heads of linear_k_dim (each serving linear_heads / linear_k_heads
+    # value heads), a causal depthwise convolution of linear_conv taps on q, k, v
     mla_rope: bool = True
     layer_mixers: tuple[str, ...] = ()
-    kda_heads: int = 0
-    kda_head_dim: int = 0
-    kda_conv: int = 0
+    linear_heads: int = 0
+    linear_v_dim: int = 0
+    linear_k_heads: int = 0
+    linear_k_dim: int = 0
+    linear_conv: int = 0
+    # Qwen3-Next: every norm x * (1 + w) (Gemma's, without Gemma's other changes); q_proj
+    # also gives a per-head output gate (attention output * sigmoid(gate)); the shared
+    # expert is shared_intermediate_size wide and scaled by sigmoid(shared_expert_gate(x))
+    zero_centred_norms: bool = False
+    attn_output_gate: bool = False
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -135,6 +149,11 @@ class VerifierConfig:
     @property
     def value_head_dim(self) -> int:
         return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def shared_width(self) -> int:
+        """The shared expert's (DeepSeek: experts') intermediate width."""
+        return self.shared_intermediate_size or self.n_shared_experts * self.moe_intermediate_size
 
     @property
     def embed_scale(self) -> float | None:
@@ -279,6 +298,8 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         moe, mla, hd, query_scale = _deepseek(d, n, need, where, _kimi_moe(d, n, need, where))
         mla["mla_rope"] = False
         mixers = _kimi_mixers(d, n, need, where)
+    elif FAMILIES[mt] == "qwen3_next":
+        mixers = _qwen3_next_mixers(d, n, need, where)
     elif FAMILIES[mt] == "glm":
         moe = _sigmoid_moe(d, n, need, where)
     max_pos = int(need("max_position_embeddings"))
@@ -316,7 +337,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         params = rp if rp is not None else (d.get("rope_scaling") or {})
         theta = d.get("rope_theta", 10_000.0)
         rd = hd
-        if FAMILIES[mt] == "glm":  # RoPE tables of the rotary part only
+        if FAMILIES[mt] in ("glm", "qwen3_next"):  # RoPE tables of the rotary part only
             params = dict(params)
             prf = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
             rd = int(hd * prf)
@@ -329,7 +350,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         mt, bool(d.get("attention_bias"))
     )
     o_bias = False if mt in ("qwen2", "glm4_moe") else qkv_bias
-    if mt == "qwen3_moe":
+    if mt in ("qwen3_moe", "qwen3_next"):
         e = int(d.get("num_experts") or need("num_local_experts"))  # 5.19 saves the latter
         step = int(d.get("decoder_sparse_step", 1))
         dense_layers = set(d.get("mlp_only_layers") or [])
@@ -342,6 +363,9 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
                 i not in dense_layers and e > 0 and (i + 1) % step == 0 for i in range(n)
             ),
         )
+        if mt == "qwen3_next":  # one shared expert, gated
+            moe["shared_intermediate_size"] = int(need("shared_expert_intermediate_size"))
+            moe["shared_expert_gate"] = True
     if mt == "gemma3_text" and d.get("attn_logit_softcapping") is not None:
         # transformers 5.19's Gemma 3 attention never applies it (Gemma 2's does), so the
         # reference forward and ours would disagree on what the checkpoint means.
@@ -364,7 +388,8 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         hidden_act=act,
         gemma_norms=gemma,
-        qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text") or bool(d.get("use_qk_norm")),
+        qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
+        or bool(d.get("use_qk_norm")),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(d.get("mlp_bias", False)) and mt == "llama",
@@ -378,6 +403,8 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         **mla,
         **partial,
         **mixers,
+        zero_centred_norms=mt == "qwen3_next",
+        attn_output_gate=mt == "qwen3_next",
     )
 
 
@@ -463,12 +490,39 @@ def _kimi_mixers(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
         raise UnsupportedVerifierError(
             f"{where}: mla_use_nope false: transformers' Kimi-Linear MLA never applies RoPE"
         )
+    heads = int(lac.get("num_heads", d.get("linear_num_heads", 32)))
+    dim = int(lac.get("head_dim", d.get("linear_head_dim", 128)))
     return dict(
         layer_mixers=tuple("kda" if t == "linear_attention" else "attention" for t in types),
-        kda_heads=int(lac.get("num_heads", d.get("linear_num_heads", 32))),
-        kda_head_dim=int(lac.get("head_dim", d.get("linear_head_dim", 128))),
-        kda_conv=int(lac.get("short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4))),
+        linear_heads=heads,
+        linear_v_dim=dim,
+        linear_conv=int(lac.get("short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4))),
+    ) | dict(linear_k_heads=heads, linear_k_dim=dim)
+
+
+def _qwen3_next_mixers(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
+    """Which layers are Gated DeltaNet (``layer_types`` linear_attention, else transformers'
+    default: every ``full_attention_interval``-th layer full) and its shape."""
+    types = d.get("layer_types")
+    if types is None:
+        every = int(d.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("full_attention", "linear_attention") for t in types):
+        raise ValueError(
+            f"{where}: layer_types {types} must be {n} of full_attention/linear_attention"
+        )
+    out = dict(
+        layer_mixers=tuple("gdn" if t == "linear_attention" else "attention" for t in types),
+        linear_heads=int(need("linear_num_value_heads")),
+        linear_v_dim=int(need("linear_value_head_dim")),
+        linear_k_heads=int(need("linear_num_key_heads")),
+        linear_k_dim=int(need("linear_key_head_dim")),
+        linear_conv=int(need("linear_conv_kernel_dim")),
     )
+    if out["linear_heads"] % out["linear_k_heads"]:
+        raise ValueError(f"{where}: linear_num_value_heads {out['linear_heads']} % "
+                         f"linear_num_key_heads {out['linear_k_heads']} != 0")  # fmt: skip
+    return out
 
 
 def _deepseek(d: dict[str, Any], n: int, need, where: str, moe: dict | None = None):

@@ -46,8 +46,9 @@ Params = dict[str, jax.Array]
 
 
 def _norm(cfg: VerifierConfig, x: jax.Array, w: jax.Array) -> jax.Array:
-    """fp32 in, fp32 out: Llama-style ``w * normed`` or Gemma's ``normed * (1 + w)``."""
-    if cfg.gemma_norms:
+    """fp32 in, fp32 out: Llama-style ``w * normed`` or Gemma's (and Qwen3-Next's)
+    ``normed * (1 + w)``."""
+    if cfg.gemma_norms or cfg.zero_centred_norms:
         return gemma_rms_norm(x, w, cfg.rms_norm_eps)
     return rms_norm(x, w.astype(_F32), cfg.rms_norm_eps)
 
@@ -118,7 +119,10 @@ def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array
     y = jax.lax.ragged_dot(hidden, jnp.swapaxes(down, 1, 2), sizes, preferred_element_type=_F32)
     y = y * top_w.reshape(-1)[order][:, None]
     out = jnp.zeros((T, x.shape[1]), _F32).at[tok].add(y)
-    if cfg.n_shared_experts:
+    if cfg.shared_expert_gate:  # Qwen3-Next: one shared expert, gated per token
+        gate = jax.nn.sigmoid(_linear(params, p + "shared_expert_gate", x))
+        out = out + gate * _mlp(cfg, params, p + "shared_expert.", x)
+    elif cfg.n_shared_experts:
         out = out + _mlp(cfg, params, p + "shared_experts.", x)
     return out
 
@@ -204,11 +208,17 @@ def _mla_qkv(cfg, params, p, x, rope):
 
 def _qkv(cfg, params, p, x, rope):
     """Projected, normed (qk_norm) and rotated q [T, Nh, D], k/v [T, Nkv, D], in the
-    projection weights' dtype (the attention's matmul operands)."""
+    projection weights' dtype (the attention's matmul operands), and the output gate
+    [T, Nh * D] fp32 (Qwen3-Next; else None)."""
     if cfg.mla:
-        return _mla_qkv(cfg, params, p, x, rope)
+        return (*_mla_qkv(cfg, params, p, x, rope), None)
     T, d = x.shape[0], cfg.head_dim
-    q = _linear(params, p + "q_proj", x).reshape(T, cfg.num_attention_heads, d)
+    q = _linear(params, p + "q_proj", x)
+    gate = None
+    if cfg.attn_output_gate:  # per head: d query dims, then d gate dims
+        q = q.reshape(T, cfg.num_attention_heads, 2 * d)
+        q, gate = q[..., :d], q[..., d:].reshape(T, -1)
+    q = q.reshape(T, cfg.num_attention_heads, d)
     k = _linear(params, p + "k_proj", x).reshape(T, cfg.num_key_value_heads, d)
     v = _linear(params, p + "v_proj", x).reshape(T, cfg.num_key_value_heads, d)
     if cfg.qk_norm:
@@ -223,7 +233,7 @@ def _qkv(cfg, params, p, x, rope):
         for x in (q, k)
     )
     cd = params[p + "q_proj.weight"].dtype
-    return q.astype(cd), k.astype(cd), v.astype(cd)
+    return q.astype(cd), k.astype(cd), v.astype(cd), gate
 
 
 def _causal_conv(x: jax.Array, w: jax.Array, document_ids: jax.Array) -> jax.Array:
@@ -255,7 +265,7 @@ def _kda(cfg, params, p, x, document_ids, dense: bool, chunk: int) -> jax.Array:
     dt_bias); write strengths beta = sigmoid(b(x)); the gated delta rule
     (verifier/delta_rule.py; ``dense``: its token-by-token form); a gated RMS norm
     (o_norm(o) * sigmoid(g(x))) and o_proj."""
-    T, nh, d = x.shape[0], cfg.kda_heads, cfg.kda_head_dim
+    T, nh, d = x.shape[0], cfg.linear_heads, cfg.linear_v_dim
     q, k, v = (
         jax.nn.silu(_causal_conv(_linear(params, p + f"{n}_proj", x),
                                  params[p + f"{n}_conv1d.weight"], document_ids)).reshape(T, nh, d)
@@ -274,13 +284,43 @@ def _kda(cfg, params, p, x, document_ids, dense: bool, chunk: int) -> jax.Array:
     return _linear(params, p + "o_proj", (o * jax.nn.sigmoid(gate)).reshape(T, nh * d))
 
 
+def _gdn(cfg, params, p, x, document_ids, dense: bool, chunk: int) -> jax.Array:
+    """Qwen3-Next's Gated DeltaNet (transformers' Qwen3NextGatedDeltaNet), x [T, H] fp32 ->
+    [T, H] fp32: q, k, v, z and b, a from two projections grouped per key head; [q; k; v]
+    through the causal convolution and SiLU; q and k l2-normalised, each key head serving
+    its group of value heads; one forget gate per value head, g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b); the gated delta rule; RMS norm(o) * w * silu(z); out_proj."""
+    T, nv, dv = x.shape[0], cfg.linear_heads, cfg.linear_v_dim
+    nk, dk = cfg.linear_k_heads, cfg.linear_k_dim
+    r = nv // nk
+    qkvz = _linear(params, p + "in_proj_qkvz", x).reshape(T, nk, 2 * dk + 2 * r * dv)
+    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
+    v, z = qkvz[..., 2 * dk : 2 * dk + r * dv], qkvz[..., 2 * dk + r * dv :]
+    ba = _linear(params, p + "in_proj_ba", x).reshape(T, nk, 2 * r)
+    b, a = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
+    mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
+    mixed = jax.nn.silu(_causal_conv(mixed, params[p + "conv1d.weight"], document_ids))
+    q = jnp.repeat(mixed[:, : nk * dk].reshape(T, nk, dk), r, axis=1)
+    k = jnp.repeat(mixed[:, nk * dk : 2 * nk * dk].reshape(T, nk, dk), r, axis=1)
+    v = mixed[:, 2 * nk * dk :].reshape(T, nv, dv)
+    q, k = _l2_normalize(q), _l2_normalize(k)
+    a = a + params[p + "dt_bias"].astype(_F32)
+    g = -jnp.exp(params[p + "A_log"].astype(_F32)) * jax.nn.softplus(a)  # [T, nv]
+    g = jnp.broadcast_to(g[..., None], (T, nv, dk))
+    rule = delta_rule.recurrent if dense else functools.partial(delta_rule.chunked, chunk=chunk)
+    o = rule(q, k, v, g, jax.nn.sigmoid(b), document_ids)
+    o = rms_norm(o, params[p + "norm.weight"].astype(_F32), cfg.rms_norm_eps)
+    o = o * jax.nn.silu(z.reshape(T, nv, dv))
+    return _linear(params, p + "out_proj", o.reshape(T, nv * dv))
+
+
 def _attention_options(cfg: VerifierConfig, kind: LayerKind) -> dict:
     return dict(scale=cfg.query_scale, sliding_window=kind.window, softcap=cfg.attn_softcap)
 
 
 def _attention(cfg, params, p, kind, x, rope, document_ids, dense, q_block, kv_chunk):
     S = x.shape[0]
-    q, k, v = _qkv(cfg, params, p, x, rope)
+    q, k, v, gate = _qkv(cfg, params, p, x, rope)
     kwargs = _attention_options(cfg, kind)
     if dense:
         out = dense_document_causal_attention(q, k, v, document_ids, **kwargs)
@@ -288,7 +328,10 @@ def _attention(cfg, params, p, kind, x, rope, document_ids, dense, q_block, kv_c
         out = document_causal_attention(
             q, k, v, document_ids, q_block=q_block, kv_chunk=kv_chunk, **kwargs
         )
-    return _linear(params, p + "o_proj", out.reshape(S, -1))
+    out = out.reshape(S, -1)
+    if gate is not None:
+        out = out.astype(_F32) * jax.nn.sigmoid(gate)
+    return _linear(params, p + "o_proj", out)
 
 
 def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x: jax.Array, ropes, doc, opts):
@@ -298,6 +341,8 @@ def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x: jax.Array, ropes
     dense, q_block, kv_chunk, kda_chunk = opts
     if kind.mixer == "kda":
         h = _kda(cfg, lp, "self_attn.", h, doc, dense, kda_chunk)
+    elif kind.mixer == "gdn":
+        h = _gdn(cfg, lp, "linear_attn.", h, doc, dense, kda_chunk)
     else:
         h = _attention(cfg, lp, "self_attn.", kind, h, ropes[kind.rope], doc, dense, q_block,
                        kv_chunk)  # fmt: skip
@@ -459,8 +504,10 @@ def drafted_blocks_supported(cfg: VerifierConfig) -> str | None:
     """Why :func:`drafted_hidden` cannot run this verifier, or None. Its block pass uses the
     drafter's anchored-block attention, which has neither sliding windows, soft caps nor a
     query scale other than head_dim**-0.5."""
-    if "kda" in cfg.layer_mixers:
-        return "linear-attention (KDA) layers"
+    if set(cfg.layer_mixers) - {"attention"}:
+        return "linear-attention (KDA, Gated DeltaNet) layers"
+    if cfg.attn_output_gate:
+        return "gated attention outputs"
     if cfg.mla:
         return "multi-head latent attention"
     if any(w is not None for w in cfg.layer_windows):
@@ -514,13 +561,13 @@ def drafted_hidden(
         p = "self_attn."
         h = _norm(cfg, x, lp["input_layernorm.weight"])
         hb = _norm(cfg, xb, lp["input_layernorm.weight"])
-        q, k, v = _qkv(cfg, lp, p, h, ropes[kind.rope])
+        q, k, v, _ = _qkv(cfg, lp, p, h, ropes[kind.rope])  # no output gate (supported())
         o = document_causal_attention(
             q, k, v, document_ids, q_block=q_block, kv_chunk=kv_chunk,
             **_attention_options(cfg, kind),
         )  # fmt: skip
         x = _after_attention(cfg, kind, lp, x, _linear(lp, p + "o_proj", o.reshape(len(x), -1)))
-        qb, kb, vb = _qkv(cfg, lp, p, hb, ropes_b[kind.rope])
+        qb, kb, vb, _ = _qkv(cfg, lp, p, hb, ropes_b[kind.rope])
         ob = anchored_block_attention(
             qb, k, v, kb, vb, anchors, document_ids,
             block_size=bk, sliding_window=None, causal_in_block=True, kv_chunk=kv_chunk,

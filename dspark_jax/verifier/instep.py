@@ -91,28 +91,32 @@ class InStepVerifier:
             proj, score = h * (nq + 2 * nkv) + nq * h, nq
         total = 0.0
         for i in range(c.num_hidden_layers):
-            if c.mixer(i) == "kda":
-                total += tokens * self._kda_flops()
+            if c.mixer(i) != "attention":
+                total += tokens * self._linear_attention_flops(c.mixer(i))
             else:
                 total += 2 * tokens * proj
                 total += 4 * pairs[i] * score  # scores and P V
             if c.is_moe(i):
                 e, k, mi = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-                total += 2 * tokens * (h * e + (k + c.n_shared_experts) * 3 * h * mi)
+                total += 2 * tokens * (h * e + k * 3 * h * mi + 3 * h * c.shared_width)
             else:
                 total += 2 * tokens * 3 * h * c.intermediate_size
         return total
 
-    def _kda_flops(self, chunk: int = 64) -> float:
-        """Matmul FLOPs per token of a KDA layer (verifier/delta_rule.py's chunked form):
-        q/k/v/o, the gates' low-rank pairs and beta; per head, the chunk's pair products
-        (its writes' matrix and the scores, C pairs of dk), the triangular solve (C^2/2),
-        W's two products, and the state's three [dk, dv] products (read, write, out)."""
+    def _linear_attention_flops(self, mixer: str, chunk: int = 64) -> float:
+        """Matmul FLOPs per token of a KDA or Gated DeltaNet layer (verifier/delta_rule.py's
+        chunked form): its projections; per value head, the chunk's pair products (its
+        writes' matrix and the scores, C pairs of dk), the triangular solve (C^2/2), W's
+        two products, and the state's three [dk, dv] products (read, write, out)."""
         c = self.cfg
-        h, nh, d = c.hidden_size, c.kda_heads, c.kda_head_dim
-        proj = 2 * (4 * h * nh * d + 2 * (h * d + d * nh * d) + h * nh)
-        per_head = 2 * (2 * chunk * d + chunk * chunk / 2 + 2 * chunk * d + 3 * d * d)
-        return proj + nh * per_head
+        h, nv, dv, dk = c.hidden_size, c.linear_heads, c.linear_v_dim, c.linear_k_dim
+        kd, vd = c.linear_k_heads * dk, nv * dv
+        if mixer == "kda":  # q/k/v/o, the forget gate's and the output gate's pairs, beta
+            proj = 2 * (4 * h * vd + 2 * (h * dv + dv * vd) + h * nv)
+        else:  # in_proj_qkvz, in_proj_ba, out_proj
+            proj = 2 * (h * (2 * kd + 2 * vd) + h * 2 * nv + vd * h)
+        per_head = 2 * (2 * chunk * dk + chunk * chunk / 2 + chunk * (dk + dv) + 3 * dk * dv)
+        return proj + nv * per_head
 
     def fill(self, params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> dict:
         """The batch with ``hidden_states`` [B, S, n_aux * H] (aux slots layer-major, in the

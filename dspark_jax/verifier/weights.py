@@ -60,11 +60,14 @@ def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple,
     a = "self_attn."
     if kind.mixer == "kda":
         layer = _kda_specs(cfg)
+    elif kind.mixer == "gdn":
+        layer = _gdn_specs(cfg)
     elif cfg.mla:
         layer = _mla_specs(cfg)
     else:
+        gated = 2 if cfg.attn_output_gate else 1  # Qwen3-Next: each head's q, then its gate
         layer = {
-            a + "q_proj.weight": ((nq, h), ("heads", "embed")),
+            a + "q_proj.weight": ((gated * nq, h), ("heads", "embed")),
             a + "k_proj.weight": ((nkv, h), ("kv_heads", "embed")),
             a + "v_proj.weight": ((nkv, h), ("kv_heads", "embed")),
             a + "o_proj.weight": ((h, nq), ("embed", "heads")),
@@ -89,8 +92,11 @@ def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple,
         layer[m + "gate.weight"] = ((e, h), (None, "embed"))
         if cfg.router == "sigmoid":  # DeepSeek-V3: the choice's bias (fp32, as transformers)
             layer[m + "gate.e_score_correction_bias"] = ((e,), (None,))
-        if cfg.n_shared_experts:
-            si, sh = cfg.n_shared_experts * mi, m + "shared_experts."
+        if cfg.shared_width:  # DeepSeek's shared_experts, Qwen3-Next's gated shared_expert
+            si = cfg.shared_width
+            sh = m + ("shared_expert." if cfg.shared_expert_gate else "shared_experts.")
+            if cfg.shared_expert_gate:
+                layer[m + "shared_expert_gate.weight"] = ((1, h), (None, "embed"))
             layer[sh + "gate_proj.weight"] = ((si, h), ("mlp", "embed"))
             layer[sh + "up_proj.weight"] = ((si, h), ("mlp", "embed"))
             layer[sh + "down_proj.weight"] = ((h, si), ("embed", "mlp"))
@@ -135,10 +141,10 @@ def _kda_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
     """Kimi Delta Attention's parameters under the Hub's names (what transformers 5.19
     saves: one depthwise convolution per q, k, v; the forget gate's at the attention's
     level)."""
-    h, nh, d, a = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, "self_attn."
+    h, nh, d, a = cfg.hidden_size, cfg.linear_heads, cfg.linear_v_dim, "self_attn."
     inner = nh * d
     out = {a + f"{x}_proj.weight": ((inner, h), ("heads", "embed")) for x in "qkv"}
-    out |= {a + f"{x}_conv1d.weight": ((inner, 1, cfg.kda_conv), ("heads", None, None))
+    out |= {a + f"{x}_conv1d.weight": ((inner, 1, cfg.linear_conv), ("heads", None, None))
             for x in "qkv"}  # fmt: skip
     out[a + "f_a_proj.weight"] = ((d, h), (None, "embed"))
     out[a + "f_b_proj.weight"] = ((inner, d), ("heads", None))
@@ -150,6 +156,23 @@ def _kda_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
     out[a + "o_norm.weight"] = ((d,), ("norm",))
     out[a + "o_proj.weight"] = ((h, inner), ("embed", "heads"))
     return out
+
+
+def _gdn_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
+    """Qwen3-Next's Gated DeltaNet (``linear_attn.``): q, k, v and the output gate z from
+    one projection, grouped per key head ([q, k, v..., z...] per group); b and a from
+    another; one convolution over [q; k; v]; a forget rate and bias per value head."""
+    h, a = cfg.hidden_size, "linear_attn."
+    kd, vd = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_heads * cfg.linear_v_dim
+    return {
+        a + "in_proj_qkvz.weight": ((2 * kd + 2 * vd, h), ("heads", "embed")),
+        a + "in_proj_ba.weight": ((2 * cfg.linear_heads, h), ("heads", "embed")),
+        a + "conv1d.weight": ((2 * kd + vd, 1, cfg.linear_conv), (None, None, None)),
+        a + "dt_bias": ((cfg.linear_heads,), (None,)),
+        a + "A_log": ((cfg.linear_heads,), (None,)),
+        a + "norm.weight": ((cfg.linear_v_dim,), ("norm",)),
+        a + "out_proj.weight": ((h, vd), ("embed", "heads")),
+    }
 
 
 # Parameters transformers keeps in fp32 whatever the model's dtype.

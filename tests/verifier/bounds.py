@@ -27,20 +27,22 @@ def chain_depth(cfg, layer_id: int, seq: int, chunk: int = 64) -> int:
         attn += cfg.num_attention_heads * cfg.v_head_dim + 4  # o_proj; the rope's cos/sin
     else:
         attn = h + d + seq + seq + cfg.num_attention_heads * d
-    if cfg.kda_heads:  # KDA: the forget gate's two projections, softplus (exp, log) and rate
-        dk = cfg.kda_head_dim
+    if cfg.linear_heads:  # the forget gate's projection(s), softplus (exp, log) and rate
+        dk = cfg.linear_k_dim
         gate = h + dk + 1 + 12
         # q/k/v: projection, convolution, SiLU, l2 norm; the state's chain over the
         # document (per token a decay (exp), S^T k, the write) or, chunked, the chunk's
         # triangular solve and decays; the gated norm and o_proj
-        kda = max(gate, h + cfg.kda_conv + 4 + dk + 4) + 4 + seq * (dk + 12)
-        kda += min(chunk, seq) * (dk + 8) + dk + 4 + 4 + cfg.kda_heads * dk
+        kda = max(gate, h + cfg.linear_conv + 4 + dk + 4) + 4 + seq * (dk + 12)
+        kda += min(chunk, seq) * (dk + 8) + dk + 4 + 4 + cfg.linear_heads * cfg.linear_v_dim
     rest = h + h + h + cfg.intermediate_size + (2 * h if cfg.gemma_norms else 0)
     rest += (d if cfg.qk_norm else 0) + 4 * 6
     if cfg.num_experts:
         rest += h + cfg.num_experts + 2 * cfg.num_experts_per_tok + cfg.moe_intermediate_size
-        rest += cfg.n_shared_experts * cfg.moe_intermediate_size + 4  # shared; the sigmoid
-    return 8 + sum(rest + (kda if cfg.mixer(i) == "kda" else attn) for i in range(layer_id))
+        rest += cfg.shared_width + 4 + (h + 4 if cfg.shared_expert_gate else 0)  # shared
+    if cfg.attn_output_gate:  # the gate's sigmoid and product
+        attn += 4 + 1
+    return 8 + sum(rest + (attn if cfg.mixer(i) == "attention" else kda) for i in range(layer_id))
 
 
 def projection_sensitivity(params, cfg, ids, pos, doc, layer_ids, c) -> np.ndarray:

@@ -202,6 +202,26 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Qwen3-Next: Gated DeltaNet (2 key heads of 8 for 4 value heads of 6), gated attention
+    # with a quarter of each head rotated, (1 + w) norms; a dense first layer, then 4
+    # softmax-routed experts (top 2) and a gated shared expert
+    "qwen3_next": (
+        "qwen3_next",
+        dict(
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=6,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=12,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+        ),
+    ),
     # Gemma 3 4B/12B/27B checkpoints: the multimodal wrapper (model_type gemma3, the text
     # model in text_config, its tensors under language_model.model.*) around the above
     "gemma3_multimodal": ("gemma3", dict()),
@@ -241,14 +261,15 @@ def build(name: str, folder, seed: int = 0, **shape):
             if p.ndim >= 2:  # O(1) activations through every layer
                 p.copy_(r / p.shape[-1] ** 0.5 if "embed" not in pname else r)
             elif "norm" in pname:  # far from the init so a flipped norm style shows
-                p.copy_((0.0 if gemma else 1.0) + 0.3 * r)
+                zero_centred = gemma or (model_type == "qwen3_next" and "linear_attn" not in pname)
+                p.copy_((0.0 if zero_centred else 1.0) + 0.3 * r)
             else:
                 p.copy_(0.3 * r)
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # DeepSeek's routing bias
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
         for pname, p in model.named_parameters():
-            if pname.endswith("A_log"):  # KDA: decay rates 0.02-0.2, so the state carries
+            if pname.endswith("A_log"):  # decay rates 0.02-0.2, so the linear state carries
                 p.copy_(torch.empty(p.shape).uniform_(0.02, 0.2, generator=g).log())
     model.save_pretrained(folder)
     return model

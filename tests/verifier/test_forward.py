@@ -224,10 +224,10 @@ def test_planted_deepseek_bugs(case, change):
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, **change), params=params))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear", "qwen3_next"])
 def test_hf_extractor_equals_in_step(case, name):
-    """launch.extract_hidden_states --backend hf (its HFExtractor, fp32) on the DeepSeek-V3
-    and Kimi-Linear verifiers equals the in-step forward within the same bound (it bounds
+    """launch.extract_hidden_states --backend hf (its HFExtractor, fp32) on the DeepSeek-V3,
+    Kimi-Linear and Qwen3-Next verifiers equals the in-step forward within the same bound (it bounds
     each side's distance from the exact forward)."""
     from launch.hf_extract import HFExtractor
 
@@ -250,27 +250,32 @@ def test_planted_glm_rotates_another_part(case):
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, rotary_dim=quarter, ropes=ropes)))
 
 
-def test_kda_chunked_equals_recurrent(case):
-    """KDA's chunked form (chunks of 4, 8 and 64 tokens: document edges inside chunks and
-    on their edges) and its token-by-token recurrence are the same function."""
-    c = case("kimi_linear")
-    assert c.cfg.layer_mixers == ("kda", "attention", "kda") and not c.cfg.mla_rope
-    c.check(c.run(dense_attention=True), what=" (recurrent KDA, dense attention)")
+LINEAR = {"kimi_linear": "kda", "qwen3_next": "gdn"}  # families with linear attention
+
+
+@pytest.mark.parametrize("name", list(LINEAR))
+def test_linear_attention_chunked_equals_recurrent(case, name):
+    """The delta rule's chunked form (chunks of 4, 8 and 64 tokens: document edges inside
+    chunks and on their edges) and its token-by-token recurrence are the same function."""
+    c = case(name)
+    assert c.cfg.layer_mixers == (LINEAR[name], "attention", LINEAR[name])
+    c.check(c.run(dense_attention=True), what=" (recurrent, dense attention)")
     for chunk in (4, 64):
-        c.check(c.run(kda_chunk=chunk), what=f" (KDA chunks of {chunk})")
+        c.check(c.run(kda_chunk=chunk), what=f" (chunks of {chunk})")
 
 
 def _merged_documents(doc):
     return jnp.where(doc >= 0, 0, doc)
 
 
+@pytest.mark.parametrize("name", list(LINEAR))
 @pytest.mark.parametrize(
     "bug", ["state_not_reset", "state_dropped_between_chunks", "conv_across_documents"]
 )
-def test_planted_kda_bugs(case, monkeypatch, bug):
+def test_planted_linear_attention_bugs(case, monkeypatch, name, bug):
     """The recurrent state carried into the next document, or not carried from one chunk
     to the next; the convolution reading the previous document's last tokens."""
-    c = case("kimi_linear")
+    c = case(name)
     rule, conv = fwd.delta_rule.chunked, fwd._causal_conv
     if bug == "state_not_reset":
         monkeypatch.setattr(
@@ -285,6 +290,19 @@ def test_planted_kda_bugs(case, monkeypatch, bug):
         )  # fmt: skip
     else:
         monkeypatch.setattr(fwd, "_causal_conv", lambda x, w, d: conv(x, w, _merged_documents(d)))
+    _fails(c, c.run())
+
+
+def test_planted_qwen3_next_bugs(case, monkeypatch):
+    """Llama-style norms instead of (1 + w); the whole head rotated instead of a quarter;
+    the attention's output gate left out."""
+    c = case("qwen3_next")
+    assert c.cfg.zero_centred_norms and c.cfg.rotary_dim == c.cfg.head_dim // 4
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, zero_centred_norms=False)))
+    ropes = tuple((k, v._replace(head_dim=c.cfg.head_dim)) for k, v in c.cfg.ropes)
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, rotary_dim=None, ropes=ropes)))
+    qkv = fwd._qkv
+    monkeypatch.setattr(fwd, "_qkv", lambda *a: (*qkv(*a)[:3], None))  # no output gate
     _fails(c, c.run())
 
 

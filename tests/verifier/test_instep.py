@@ -168,11 +168,11 @@ def _copy(instep_setup, tmp_path):
 def test_unsupported_family_is_refused_before_reading(instep_setup, tmp_path):
     v = _copy(instep_setup, tmp_path)
     cfg = json.loads((v / "config.json").read_text())
-    cfg["model_type"] = "qwen3_next"
+    cfg["model_type"] = "gpt_oss"
     (v / "config.json").write_text(json.dumps(cfg))
     (v / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(
-        UnsupportedVerifierError, match=r"model_type 'qwen3_next'.*supported: llama"
+        UnsupportedVerifierError, match=r"model_type 'gpt_oss'.*supported: llama"
     ):
         instep.build(str(v), None, "bfloat16", None)
 
