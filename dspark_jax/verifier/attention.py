@@ -3,7 +3,9 @@
 Query t of document d sees key s iff ``document_ids[s] == d``, ``s <= t`` and, on a
 sliding layer with window W, ``s > t - W`` (transformers' ``sliding_window_overlay``:
 W keys including its own). Scores are ``q k^T * scale``, then soft-capped
-(``cap * tanh(x / cap)``) when the layer has a cap, as transformers' eager attention.
+(``cap * tanh(x / cap)``) when the layer has a cap, as transformers' eager attention. With
+``sinks`` (gpt-oss, one logit per head) the softmax also counts a key of that logit whose
+value is zero.
 
 ``document_causal_attention`` never builds the [S, S] scores: queries are tiled in blocks
 of ``q_block`` rows, keys in chunks of ``kv_chunk`` columns, and each query block runs an
@@ -53,6 +55,7 @@ def document_causal_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     q_block: int = 128,
     kv_chunk: int = 512,
 ) -> jax.Array:
@@ -73,9 +76,9 @@ def document_causal_attention(
     opts = dict(scale=scale, sliding_window=sliding_window, softcap=softcap,
                 q_block=q_block, kv_chunk=kv_chunk)  # fmt: skip
     if parallel.context_size() > 1:
-        return _split_attention(q, k, v, document_ids.astype(jnp.int32), **opts)
+        return _split_attention(q, k, v, document_ids.astype(jnp.int32), sinks, **opts)
     doc = document_ids.astype(jnp.int32)
-    return _attend(q, k, v, doc, doc, jnp.int32(0), document_starts(doc), **opts)
+    return _attend(q, k, v, doc, doc, jnp.int32(0), document_starts(doc), sinks, **opts)
 
 
 # Context split (docs/design.md, "In-step verifier under a context split"): shard s of C
@@ -94,21 +97,23 @@ def _shard_keys(k, v, doc):
     return *gathered, offset
 
 
-def _split_attention(q, k, v, doc, **opts):
-    def shard(q, k, v, doc_q):
+def _split_attention(q, k, v, doc, sinks, **opts):
+    def shard(q, k, v, doc_q, *sinks):
         k_all, v_all, doc_all, offset = _shard_keys(k, v, doc_q)
         start = lax.dynamic_slice_in_dim(document_starts(doc_all), offset, q.shape[0])
-        return _attend(q, k_all, v_all, doc_q, doc_all, offset, start, **opts)
+        return _attend(q, k_all, v_all, doc_q, doc_all, offset, start, *sinks, **opts)
 
     seq = P(parallel.CONTEXT_AXIS)
-    return parallel.context_shard_map(shard, (seq, seq, seq, seq), seq)(q, k, v, doc)
+    sinks = () if sinks is None else (sinks,)  # one logit per head, on every shard
+    specs = (seq, seq, seq, seq) + (P(),) * len(sinks)
+    return parallel.context_shard_map(shard, specs, seq)(q, k, v, doc, *sinks)
 
 
-def _attend(q, k, v, doc_q, doc_k, offset, start, *, scale, sliding_window, softcap,
-            q_block, kv_chunk):  # fmt: skip
+def _attend(q, k, v, doc_q, doc_k, offset, start, sinks=None, *, scale, sliding_window,
+            softcap, q_block, kv_chunk):  # fmt: skip
     """Queries q [T, Nh, D] at global rows offset .. offset + T - 1 (documents doc_q, their
     documents' first rows ``start``, [T]) over the keys k/v [S, Nkv, D] at rows 0 .. S - 1
-    (documents doc_k [S])."""
+    (documents doc_k [S]); ``sinks`` [Nh] or None."""
     T, Nh, D = q.shape
     S, Nkv, Dv = v.shape
     R, Bq, C = Nh // Nkv, min(q_block, T), min(kv_chunk, S)
@@ -157,6 +162,11 @@ def _attend(q, k, v, doc_q, doc_k, offset, start, *, scale, sliding_window, soft
             jnp.zeros((*qb.shape[:-1], Dv), _F32),
         )
         m, l, acc = lax.fori_loop(rng[0], rng[1], body, init)
+        if sinks is not None:  # the sink: one more key, of logit sinks[h] and value 0
+            sink = sinks.astype(_F32).reshape(Nkv, R)
+            m_new = jnp.maximum(m, sink)
+            alpha = jnp.exp(m - m_new)
+            l, acc = alpha * l + jnp.exp(sink - m_new), alpha[..., None] * acc
         return acc / jnp.where(l > 0, l, 1.0)[..., None]  # l = 0 only on padded query rows
 
     out = lax.map(block, (qg, pos_q, doc_q, ranges))
@@ -164,9 +174,10 @@ def _attend(q, k, v, doc_q, doc_k, offset, start, *, scale, sliding_window, soft
 
 
 def dense_document_causal_attention(
-    q, k, v, document_ids, *, scale, sliding_window=None, softcap=None
+    q, k, v, document_ids, *, scale, sliding_window=None, softcap=None, sinks=None
 ) -> jax.Array:
-    """Test oracle: the full [S, S] mask and an fp32 softmax (transformers' eager order)."""
+    """Test oracle: the full [S, S] mask and an fp32 softmax (transformers' eager order);
+    the sinks as one more column of scores, dropped after the softmax."""
     S = q.shape[0]
     i, j = jnp.arange(S)[:, None], jnp.arange(S)[None]
     mask = (document_ids[:, None] == document_ids[None]) & (j <= i)
@@ -178,5 +189,10 @@ def dense_document_causal_attention(
     s = jnp.einsum("qhd,khd->hqk", q.astype(_F32), kk) * scale
     if softcap is not None:
         s = jnp.tanh(s / softcap) * softcap
-    p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
+    s = jnp.where(mask[None], s, -jnp.inf)
+    if sinks is not None:
+        column = jnp.broadcast_to(sinks.astype(_F32)[:, None, None], (*s.shape[:2], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("hqk,khd->qhd", p, vv).astype(q.dtype)

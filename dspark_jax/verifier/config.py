@@ -36,6 +36,7 @@ FAMILIES = {
     "glm4_moe": "glm",  # GLM-4.5/4.6: GQA, partial RoPE, DeepSeek's sigmoid-routed experts
     "kimi_linear": "kimi",  # Kimi-Linear: KDA layers, MLA without RoPE, sigmoid-routed experts
     "qwen3_next": "qwen3_next",  # Gated DeltaNet layers, gated attention, (1 + w) norms
+    "gpt_oss": "gpt_oss",  # attention sinks, alternating windows, clamped SwiGLU experts
 }
 # multimodal model_type -> the model_type its text_config must have
 MULTIMODAL = {"gemma3": "gemma3_text"}
@@ -140,6 +141,13 @@ class VerifierConfig:
     attn_output_gate: bool = False
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # gpt-oss: a learned sink logit per head joins every softmax (value 0); router
+    # "topk_softmax" (softmax over the top-k biased logits); experts stored [E, H, 2I]
+    # with gate and up interleaved, biases, and the clamped SwiGLU
+    # (up.clip(-L, L) + 1) * g * sigmoid(alpha g), g = gate.clip(max=L)
+    attn_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @property
     def qk_head_dim(self) -> int:
@@ -247,6 +255,8 @@ def _layer_types(d: dict, mt: str, n: int) -> list[str]:
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     if mt == "mistral":
         return ["sliding_attention" if window else "full_attention"] * n
+    if mt == "gpt_oss":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     if mt in ("qwen2", "qwen3", "qwen3_moe"):
         on = bool(d.get("use_sliding_window")) and window is not None
         first = d.get("max_window_layers", 28) if mt != "qwen3_moe" else 0
@@ -283,6 +293,12 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             raise ValueError(f"{where}: missing field {key!r}")
         return v
 
+    quant = d.get("quantization_config")
+    if quant:  # e.g. gpt-oss's MXFP4 experts, FP8 DeepSeek/Kimi checkpoints
+        raise UnsupportedVerifierError(
+            f"{where}: quantization_config ({quant.get('quant_method', quant)}): the in-step "
+            "verifier reads unquantized tensors (bf16/fp32); use a dequantized checkpoint"
+        )
     if d.get("use_bidirectional_attention"):
         raise UnsupportedVerifierError(f"{where}: use_bidirectional_attention is not causal")
     h, nh = int(need("hidden_size")), int(need("num_attention_heads"))
@@ -302,6 +318,17 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         mixers = _qwen3_next_mixers(d, n, need, where)
     elif FAMILIES[mt] == "glm":
         moe = _sigmoid_moe(d, n, need, where)
+    elif FAMILIES[mt] == "gpt_oss":
+        moe = dict(
+            num_experts=int(need("num_local_experts")),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            moe_intermediate_size=int(need("intermediate_size")),
+            layer_moe=(True,) * n,
+            router="topk_softmax",
+            attn_sinks=True,
+            swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+        )
     max_pos = int(need("max_position_embeddings"))
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act == "gelu_pytorch_tanh" or (gemma and act in ("gelu", "gelu_new")):

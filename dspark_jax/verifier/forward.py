@@ -75,6 +75,9 @@ def _mlp(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array
 def _route(cfg: VerifierConfig, params: Params, p: str, x: jax.Array):
     """Each token's k experts and their weights, [T, k] each (fp32 scores)."""
     k, E = cfg.num_experts_per_tok, cfg.num_experts
+    if cfg.router == "topk_softmax":  # gpt-oss: the k best biased logits, softmaxed
+        top_v, top_i = jax.lax.top_k(_linear(params, p + "router", x), k)
+        return jax.nn.softmax(top_v, axis=-1), top_i
     if cfg.router == "softmax":  # Qwen3-MoE
         probs = jax.nn.softmax(_linear(params, p + "gate", x), axis=-1)  # [T, E]
         top_w, top_i = jax.lax.top_k(probs, k)
@@ -109,14 +112,25 @@ def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    gate_up = params[p + "experts.gate_up_proj"]  # [E, 2I, H]
-    down = params[p + "experts.down_proj"]  # [E, H, I]
+    gate_up = params[p + "experts.gate_up_proj"]  # [E, 2I, H]; gpt-oss [E, H, 2I]
+    down = params[p + "experts.down_proj"]  # [E, H, I]; gpt-oss [E, I, H]
     cd = gate_up.dtype
     xs = x[tok].astype(cd)
-    gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), sizes, preferred_element_type=_F32)
-    g, u = jnp.split(gu, 2, axis=-1)
-    hidden = (_act(cfg, g) * u).astype(cd)
-    y = jax.lax.ragged_dot(hidden, jnp.swapaxes(down, 1, 2), sizes, preferred_element_type=_F32)
+    if cfg.swiglu_limit is None:
+        gate_up, down = jnp.swapaxes(gate_up, 1, 2), jnp.swapaxes(down, 1, 2)
+    gu = jax.lax.ragged_dot(xs, gate_up, sizes, preferred_element_type=_F32)
+    if cfg.swiglu_limit is None:
+        g, u = jnp.split(gu, 2, axis=-1)
+        hidden = (_act(cfg, g) * u).astype(cd)
+    else:  # gpt-oss: biases, gate and up interleaved, the clamped SwiGLU
+        e_of = flat_e[order]  # each sorted row's expert
+        gu = gu + params[p + "experts.gate_up_proj_bias"].astype(_F32)[e_of]
+        lim = cfg.swiglu_limit
+        g, u = jnp.minimum(gu[:, 0::2], lim), jnp.clip(gu[:, 1::2], -lim, lim)
+        hidden = ((u + 1) * g * jax.nn.sigmoid(cfg.swiglu_alpha * g)).astype(cd)
+    y = jax.lax.ragged_dot(hidden, down, sizes, preferred_element_type=_F32)
+    if cfg.swiglu_limit is not None:
+        y = y + params[p + "experts.down_proj_bias"].astype(_F32)[e_of]
     y = y * top_w.reshape(-1)[order][:, None]
     out = jnp.zeros((T, x.shape[1]), _F32).at[tok].add(y)
     if cfg.shared_expert_gate:  # Qwen3-Next: one shared expert, gated per token
@@ -314,14 +328,17 @@ def _gdn(cfg, params, p, x, document_ids, dense: bool, chunk: int) -> jax.Array:
     return _linear(params, p + "out_proj", o.reshape(T, nv * dv))
 
 
-def _attention_options(cfg: VerifierConfig, kind: LayerKind) -> dict:
-    return dict(scale=cfg.query_scale, sliding_window=kind.window, softcap=cfg.attn_softcap)
+def _attention_options(cfg: VerifierConfig, kind: LayerKind, params=None, p="") -> dict:
+    sinks = params[p + "sinks"] if cfg.attn_sinks else None
+    return dict(
+        scale=cfg.query_scale, sliding_window=kind.window, softcap=cfg.attn_softcap, sinks=sinks
+    )
 
 
 def _attention(cfg, params, p, kind, x, rope, document_ids, dense, q_block, kv_chunk):
     S = x.shape[0]
     q, k, v, gate = _qkv(cfg, params, p, x, rope)
-    kwargs = _attention_options(cfg, kind)
+    kwargs = _attention_options(cfg, kind, params, p)
     if dense:
         out = dense_document_causal_attention(q, k, v, document_ids, **kwargs)
     else:
@@ -508,6 +525,8 @@ def drafted_blocks_supported(cfg: VerifierConfig) -> str | None:
         return "linear-attention (KDA, Gated DeltaNet) layers"
     if cfg.attn_output_gate:
         return "gated attention outputs"
+    if cfg.attn_sinks:
+        return "attention sinks"
     if cfg.mla:
         return "multi-head latent attention"
     if any(w is not None for w in cfg.layer_windows):

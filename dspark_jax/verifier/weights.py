@@ -80,6 +80,8 @@ def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple,
         layer[a + "v_proj.bias"] = ((nkv,), ("kv_heads",))
     if cfg.o_bias:
         layer[a + "o_proj.bias"] = ((h,), ("norm",))
+    if cfg.attn_sinks and kind.mixer == "attention":
+        layer[a + "sinks"] = ((cfg.num_attention_heads,), (None,))
     if cfg.qk_norm and kind.mixer == "attention":
         layer[a + "q_norm.weight"] = ((d,), ("norm",))
         layer[a + "k_norm.weight"] = ((d,), ("norm",))
@@ -87,7 +89,15 @@ def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple,
         layer["pre_feedforward_layernorm.weight"] = ((h,), ("norm",))
         layer["post_feedforward_layernorm.weight"] = ((h,), ("norm",))
     m = "mlp."
-    if moe:
+    if moe and cfg.router == "topk_softmax":  # gpt-oss: its own layout (see VerifierConfig)
+        e, mi = cfg.num_experts, cfg.moe_intermediate_size
+        layer[m + "router.weight"] = ((e, h), (None, "embed"))
+        layer[m + "router.bias"] = ((e,), (None,))
+        layer[m + "experts.gate_up_proj"] = ((e, h, 2 * mi), ("experts", "embed", "mlp"))
+        layer[m + "experts.gate_up_proj_bias"] = ((e, 2 * mi), ("experts", "mlp"))
+        layer[m + "experts.down_proj"] = ((e, mi, h), ("experts", "mlp", "embed"))
+        layer[m + "experts.down_proj_bias"] = ((e, h), ("experts", "norm"))
+    elif moe:
         e, mi = cfg.num_experts, cfg.moe_intermediate_size
         layer[m + "gate.weight"] = ((e, h), (None, "embed"))
         if cfg.router == "sigmoid":  # DeepSeek-V3: the choice's bias (fp32, as transformers)

@@ -222,6 +222,27 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             layer_types=["linear_attention", "full_attention", "linear_attention"],
         ),
     ),
+    # gpt-oss: biased attention with a sink per head, sliding (4 keys) and full layers
+    # alternating, yarn (not truncated); 4 biased experts (top 2) with the clamped SwiGLU,
+    # its limit low enough that the clamps act on O(1) activations
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            swiglu_limit=0.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
     # Gemma 3 4B/12B/27B checkpoints: the multimodal wrapper (model_type gemma3, the text
     # model in text_config, its tensors under language_model.model.*) around the above
     "gemma3_multimodal": ("gemma3", dict()),

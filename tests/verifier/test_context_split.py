@@ -77,6 +77,14 @@ def test_split_forward_matches_hf(case, name, context):
     c.check(_split_run(c, context), what=f" (context={context})")
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "kimi_linear"])
+def test_split_forward_sinks_and_linear_attention(case, name):
+    """gpt-oss's sinks (passed to every shard) beside windows crossing shard edges; Kimi's
+    KDA layers, whose chunked recurrence runs over the gathered row, and its MLA."""
+    c = case(name)
+    c.check(_split_run(c, 4), what=" (context=4)")
+
+
 def _offset_off_by_one(k, v, doc):
     *kvd, offset = _SHARD_KEYS(k, v, doc)
     return *kvd, offset + 1

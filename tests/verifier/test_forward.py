@@ -183,7 +183,7 @@ def test_planted_rope_type_ignored(case):
 
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_planted_sliding_window_off_by_one(case, delta):
-    for name in ("mistral", "gemma2"):
+    for name in ("mistral", "gemma2", "gpt_oss"):
         c = case(name)
         windows = tuple(None if w is None else w + delta for w in c.cfg.layer_windows)
         _fails(c, c.run(cfg=dataclasses.replace(c.cfg, layer_windows=windows)))
@@ -304,6 +304,25 @@ def test_planted_qwen3_next_bugs(case, monkeypatch):
     qkv = fwd._qkv
     monkeypatch.setattr(fwd, "_qkv", lambda *a: (*qkv(*a)[:3], None))  # no output gate
     _fails(c, c.run())
+
+
+def test_planted_gpt_oss_bugs(case):
+    """The sinks left out of the softmax; the SwiGLU unclamped; gate and up read as the
+    two halves of gate_up_proj instead of its even and odd columns."""
+    c = case("gpt_oss")
+    assert c.cfg.attn_sinks and c.cfg.layer_windows == (4, None, 4)
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, attn_sinks=False)))
+    _fails(c, c.run(cfg=dataclasses.replace(c.cfg, swiglu_limit=1e9)))
+
+    def halves_as_pairs(w):  # what interleaved reading of these gives: the halves' split
+        g, u = jnp.split(w, 2, axis=-1)
+        return jnp.stack([g, u], axis=-1).reshape(w.shape)
+
+    params = {
+        k: halves_as_pairs(v) if k.endswith(("gate_up_proj", "gate_up_proj_bias")) else v
+        for k, v in c.params.items()
+    }
+    _fails(c, c.run(params=params))
 
 
 def test_planted_kimi_mla_rotated(case):

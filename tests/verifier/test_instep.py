@@ -168,11 +168,22 @@ def _copy(instep_setup, tmp_path):
 def test_unsupported_family_is_refused_before_reading(instep_setup, tmp_path):
     v = _copy(instep_setup, tmp_path)
     cfg = json.loads((v / "config.json").read_text())
-    cfg["model_type"] = "gpt_oss"
+    cfg["model_type"] = "deepseek_v32"
     (v / "config.json").write_text(json.dumps(cfg))
     (v / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(
-        UnsupportedVerifierError, match=r"model_type 'gpt_oss'.*supported: llama"
+        UnsupportedVerifierError, match=r"model_type 'deepseek_v32'.*supported: llama"
+    ):
+        instep.build(str(v), None, "bfloat16", None)
+
+
+def test_quantized_checkpoint_is_refused(instep_setup, tmp_path):
+    v = _copy(instep_setup, tmp_path)
+    cfg = json.loads((v / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (v / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        UnsupportedVerifierError, match=r"config.json: quantization_config \(mxfp4\)"
     ):
         instep.build(str(v), None, "bfloat16", None)
 
