@@ -224,11 +224,11 @@ def test_planted_deepseek_bugs(case, change):
     _fails(c, c.run(cfg=dataclasses.replace(c.cfg, **change), params=params))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear", "qwen3_next"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear", "qwen3_next", "gpt_oss"])
 def test_hf_extractor_equals_in_step(case, name):
     """launch.extract_hidden_states --backend hf (its HFExtractor, fp32) on the DeepSeek-V3,
-    Kimi-Linear and Qwen3-Next verifiers equals the in-step forward within the same bound (it bounds
-    each side's distance from the exact forward)."""
+    Kimi-Linear, Qwen3-Next and gpt-oss verifiers equals the in-step forward within the same
+    bound (it bounds each side's distance from the exact forward)."""
     from launch.hf_extract import HFExtractor
 
     c = case(name)
