@@ -45,12 +45,13 @@ def figures(summary: dict) -> dict[str, float]:
     return out
 
 
-def cell(values: list[float]) -> str:
+def cell(values: list[float], unit: str = "") -> str:
     if not values:
         return "n/a"
     if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)})"
+        return f"{values[0]:.3f}{unit}"
+    sd = statistics.stdev(values)
+    return f"{statistics.mean(values):.3f}{unit} ± {sd:.3f} ({len(values)})"
 
 
 def main() -> None:
@@ -87,7 +88,7 @@ def main() -> None:
         ]
         cells = [cell([runs[(variant, s)][k] for s in seeds]) for k, _ in COLUMNS]
         print("| " + " | ".join([f"{title} (seeds {', '.join(map(str, seeds))})",
-                                 cell(ratio) + "x", *cells]) + " |")  # fmt: skip
+                                 cell(ratio, "x"), *cells]) + " |")  # fmt: skip
 
 
 if __name__ == "__main__":
