@@ -311,7 +311,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     elif FAMILIES[mt] == "kimi":
         if "max_position_embeddings" not in d:  # transformers 5.19 saves model_max_length
             d = {**d, "max_position_embeddings": d.get("model_max_length")}
-        moe, mla, hd, query_scale = _deepseek(d, n, need, where, _kimi_moe(d, n, need, where))
+        moe, mla, hd, query_scale = _deepseek(d, n, need, where, _kimi_moe(d, n, where))
         mla["mla_rope"] = False
         mixers = _kimi_mixers(d, n, need, where)
     elif FAMILIES[mt] == "qwen3_next":
@@ -459,15 +459,24 @@ def _sigmoid_moe(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
     )
 
 
-def _kimi_moe(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
-    """Kimi-Linear's experts under their config.json names (transformers 5.19's
-    ``KimiLinearConfig.attribute_map``): DeepSeek-V3's sigmoid routing, its dense layers
-    from ``mlp_layer_types`` or ``first_k_dense_replace``."""
+# Kimi-Linear's config.json names of DeepSeek-V3's expert fields (transformers 5.19's
+# KimiLinearConfig.attribute_map)
+KIMI_MOE_NAMES = {
+    "num_experts": "n_routed_experts",
+    "num_experts_per_token": "num_experts_per_tok",
+    "num_expert_group": "n_group",
+    "moe_renormalize": "norm_topk_prob",
+    "num_shared_experts": "n_shared_experts",
+}
+
+
+def _kimi_moe(d: dict[str, Any], n: int, where: str) -> dict[str, Any]:
+    """Kimi-Linear's experts: DeepSeek-V3's sigmoid routing under Kimi's names, its dense
+    layers from ``mlp_layer_types`` or ``first_k_dense_replace`` (and ``moe_layer_freq``)."""
     act = d.get("moe_router_activation_func", "sigmoid")
     if act != "sigmoid":
         raise UnsupportedVerifierError(f"{where}: moe_router_activation_func {act!r}")
-    e = int(d.get("num_experts") or 0)
-    if not e:
+    if not d.get("num_experts"):
         return {}
     types = d.get("mlp_layer_types")
     if types is None:
@@ -476,22 +485,17 @@ def _kimi_moe(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
         types = ["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)]
     if len(types) != n or any(t not in ("dense", "sparse") for t in types):
         raise ValueError(f"{where}: mlp_layer_types {types} must be {n} of dense/sparse")
-    n_group, topk_group = int(d.get("num_expert_group", 1)), int(d.get("topk_group", 1))
-    if e % n_group or not 0 < topk_group <= n_group:
-        raise ValueError(f"{where}: num_experts {e}, num_expert_group {n_group}, topk_group "
-                         f"{topk_group}")  # fmt: skip
-    return dict(
-        num_experts=e,
-        num_experts_per_tok=int(need("num_experts_per_token")),
-        moe_intermediate_size=int(need("moe_intermediate_size")),
-        norm_topk_prob=bool(d.get("moe_renormalize", True)),
-        layer_moe=tuple(t == "sparse" for t in types),
-        router="sigmoid",
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-        n_shared_experts=int(d.get("num_shared_experts", 0)),
-    )
+    as_deepseek = {**d, **{ds: d[k] for k, ds in KIMI_MOE_NAMES.items() if k in d}}
+    kimi_name = {ds: k for k, ds in KIMI_MOE_NAMES.items()}
+
+    def need(key: str, default: Any = None):
+        v = as_deepseek.get(key, default)
+        if v is None:
+            raise ValueError(f"{where}: missing field {kimi_name.get(key, key)!r}")
+        return v
+
+    moe = _sigmoid_moe(as_deepseek, n, need, where)
+    return {**moe, "layer_moe": tuple(t == "sparse" for t in types)}
 
 
 def _kimi_mixers(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
