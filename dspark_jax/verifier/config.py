@@ -218,12 +218,31 @@ def check_supported(d: dict[str, Any], where: str = "config.json") -> str:
     """The model_type, or a one-line refusal naming it and the supported list."""
     mt = d.get("model_type")
     if mt not in FAMILIES and mt not in MULTIMODAL:
+        near = nearest_supported(mt)
         raise UnsupportedVerifierError(
-            f"{where}: model_type {mt!r} has no in-step verifier forward; supported: "
-            f"{', '.join(SUPPORTED)} (for others, extract hidden-state files with "
-            "launch.extract_hidden_states, or generate them online with --on-missing generate)"
+            f"{where}: model_type {mt!r} has no in-step verifier forward"
+            + (f" (nearest supported: {near})" if near else "")
+            + f"; supported: {', '.join(SUPPORTED)} (for others, extract hidden-state files "
+            "with launch.extract_hidden_states, or generate them online with --on-missing "
+            "generate)"
         )
     return mt
+
+
+def nearest_supported(model_type) -> str | None:
+    """The supported model_type sharing the longest prefix with ``model_type`` (at least
+    its first 4 characters: deepseek_v32 -> deepseek_v3), or None."""
+    if not isinstance(model_type, str):
+        return None
+
+    def shared(s: str) -> int:
+        return next(
+            (i for i, (a, b) in enumerate(zip(s, model_type)) if a != b),
+            min(len(s), len(model_type)),
+        )
+
+    best = max(SUPPORTED, key=shared)
+    return best if shared(best) >= 4 else None
 
 
 def _rope_view(params: dict | None, theta: float | None, hd: int, max_pos: int, where: str):

@@ -172,7 +172,8 @@ def test_unsupported_family_is_refused_before_reading(instep_setup, tmp_path):
     (v / "config.json").write_text(json.dumps(cfg))
     (v / "model.safetensors").write_bytes(b"not read")
     with pytest.raises(
-        UnsupportedVerifierError, match=r"model_type 'deepseek_v32'.*supported: llama"
+        UnsupportedVerifierError,
+        match=r"model_type 'deepseek_v32' .*\(nearest supported: deepseek_v3\); supported: llama",
     ):
         instep.build(str(v), None, "bfloat16", None)
 
