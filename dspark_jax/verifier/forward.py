@@ -117,19 +117,18 @@ def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array
     cd = gate_up.dtype
     xs = x[tok].astype(cd)
     if cfg.swiglu_limit is None:
-        gate_up, down = jnp.swapaxes(gate_up, 1, 2), jnp.swapaxes(down, 1, 2)
-    gu = jax.lax.ragged_dot(xs, gate_up, sizes, preferred_element_type=_F32)
-    if cfg.swiglu_limit is None:
+        gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), sizes, preferred_element_type=_F32)
         g, u = jnp.split(gu, 2, axis=-1)
         hidden = (_act(cfg, g) * u).astype(cd)
-    else:  # gpt-oss: biases, gate and up interleaved, the clamped SwiGLU
+        y = jax.lax.ragged_dot(hidden, jnp.swapaxes(down, 1, 2), sizes, preferred_element_type=_F32)
+    else:  # gpt-oss: [in, out] layout, biases, gate and up interleaved, the clamped SwiGLU
         e_of = flat_e[order]  # each sorted row's expert
+        gu = jax.lax.ragged_dot(xs, gate_up, sizes, preferred_element_type=_F32)
         gu = gu + params[p + "experts.gate_up_proj_bias"].astype(_F32)[e_of]
         lim = cfg.swiglu_limit
         g, u = jnp.minimum(gu[:, 0::2], lim), jnp.clip(gu[:, 1::2], -lim, lim)
         hidden = ((u + 1) * g * jax.nn.sigmoid(cfg.swiglu_alpha * g)).astype(cd)
-    y = jax.lax.ragged_dot(hidden, down, sizes, preferred_element_type=_F32)
-    if cfg.swiglu_limit is not None:
+        y = jax.lax.ragged_dot(hidden, down, sizes, preferred_element_type=_F32)
         y = y + params[p + "experts.down_proj_bias"].astype(_F32)[e_of]
     y = y * top_w.reshape(-1)[order][:, None]
     out = jnp.zeros((T, x.shape[1]), _F32).at[tok].add(y)
