@@ -28,6 +28,7 @@ ROWS=(
   "h200-8-256k gpu:h200:8 ${LONG_MESH:-fsdp=1,context=8} 1 262144 $QWEN"
   "h200-8-1m gpu:h200:8 ${LONG_MESH:-fsdp=1,context=8} 1 1048576 $QWEN"
   "dsv3-h200-64 gpu:h200:8x8 ${DSV3_MESH:-fsdp=64} 64 8192 $DSV3"
+  "dsv3-v5p-64 tpu:v5p:4x4x2 ${DSV3_MESH:-fsdp=32} 32 8192 $DSV3"
   "kimilinear-v5p-8 tpu:v5p:2x2x1 ${KIMI_LINEAR_MESH:-fsdp=4} 4 8192 $KIMI_LINEAR"
   "kimilinear-h200-8 gpu:h200:8 ${KIMI_LINEAR_MESH:-fsdp=8} 8 8192 $KIMI_LINEAR"
 )

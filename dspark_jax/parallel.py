@@ -424,3 +424,57 @@ def initialize_distributed(
         jax.device_count(),
     )
     return True
+
+
+# Expert parallelism (verifier/experts.py): the experts split over fsdp (LOGICAL_RULES),
+# the tokens of a batch over every axis, each device sending its tokens to their experts.
+EXPERT_AXIS = "fsdp"
+
+
+def expert_parallel_size(num_experts: int) -> int:
+    """Devices the experts of the mesh set with ``jax.set_mesh`` / :func:`tracing_mesh`
+    are split over (whole experts each, as :func:`_fit` places them): the fsdp axis when
+    it divides ``num_experts``, else 1 (no mesh, or experts replicated or split by width)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return 1
+    n = int(mesh.shape[EXPERT_AXIS])
+    return n if n > 1 and num_experts % n == 0 else 1
+
+
+def mesh_size() -> int:
+    """Devices of the mesh the model is traced under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else math.prod(mesh.shape.values())
+
+
+def token_shard_map(f, in_specs, out_specs):
+    """``jax.shard_map`` manual over every mesh axis: tokens split over all of them
+    (``P(MESH_AXES)``), the function's collectives named explicitly."""
+    return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      axis_name: str):  # fmt: skip
+    """``jax.lax.ragged_all_to_all`` (one slice per device of ``axis_name``), inside a
+    shard_map. XLA:CPU has no ragged all-to-all (UNIMPLEMENTED), so on CPU the same
+    semantics run as an all-gather of every operand and its offsets, each device writing
+    the slices sent to it: exact, but |axis| times the operand's memory (tests and
+    --mesh on one host); TPU and GPU lower the collective itself."""
+
+    def gathered(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+        me = jax.lax.axis_index(axis_name)
+        ops = jax.lax.all_gather(operand, axis_name)  # [g, N, ...]
+        starts = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # [g] per source
+        sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+        lands = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+        j = jnp.arange(operand.shape[0])[None]
+        sent = (j >= starts[:, None]) & (j < (starts + sizes)[:, None])
+        dest = jnp.where(sent, lands[:, None] + j - starts[:, None], output.shape[0])
+        return output.at[dest.reshape(-1)].set(ops.reshape(-1, *operand.shape[1:]), mode="drop")
+
+    def native(*args):
+        return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
+
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return jax.lax.platform_dependent(*args, cpu=gathered, default=native)

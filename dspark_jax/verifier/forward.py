@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import dspark_jax.verifier.delta_rule as delta_rule
+import dspark_jax.verifier.experts as experts
 from dspark_jax import parallel
 from dspark_jax.model.attention import anchored_block_attention
 from dspark_jax.model.layers import (
@@ -102,36 +103,42 @@ def _route(cfg: VerifierConfig, params: Params, p: str, x: jax.Array):
     return top_w * cfg.routed_scaling_factor, top_i
 
 
-def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array:
-    """Sparse block: the router's top-k (:func:`_route`); tokens sorted by expert and run
-    through ``lax.ragged_dot`` (each token visits only its k experts); DeepSeek's shared
-    experts added (a dense MLP every token runs)."""
-    T, k, E = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    top_w, top_i = _route(cfg, params, p, x)
-    flat_e = top_i.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    tok = order // k
-    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    gate_up = params[p + "experts.gate_up_proj"]  # [E, 2I, H]; gpt-oss [E, H, 2I]
-    down = params[p + "experts.down_proj"]  # [E, H, I]; gpt-oss [E, I, H]
+def _expert_ffn(cfg: VerifierConfig, weights: Params, xs, sizes, expert) -> jax.Array:
+    """The experts' SwiGLU on copies xs [R, H] sorted by expert (``sizes`` [E] per
+    expert, ``expert`` [R] each row's) -> [R, H] fp32, through ``lax.ragged_dot``."""
+    gate_up = weights["gate_up_proj"]  # [E, 2I, H]; gpt-oss [E, H, 2I]
+    down = weights["down_proj"]  # [E, H, I]; gpt-oss [E, I, H]
     cd = gate_up.dtype
-    xs = x[tok].astype(cd)
+    xs = xs.astype(cd)
     if cfg.swiglu_limit is None:
         gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), sizes, preferred_element_type=_F32)
         g, u = jnp.split(gu, 2, axis=-1)
         hidden = (_act(cfg, g) * u).astype(cd)
-        y = jax.lax.ragged_dot(hidden, jnp.swapaxes(down, 1, 2), sizes, preferred_element_type=_F32)
-    else:  # gpt-oss: [in, out] layout, biases, gate and up interleaved, the clamped SwiGLU
-        e_of = flat_e[order]  # each sorted row's expert
-        gu = jax.lax.ragged_dot(xs, gate_up, sizes, preferred_element_type=_F32)
-        gu = gu + params[p + "experts.gate_up_proj_bias"].astype(_F32)[e_of]
-        lim = cfg.swiglu_limit
-        g, u = jnp.minimum(gu[:, 0::2], lim), jnp.clip(gu[:, 1::2], -lim, lim)
-        hidden = ((u + 1) * g * jax.nn.sigmoid(cfg.swiglu_alpha * g)).astype(cd)
-        y = jax.lax.ragged_dot(hidden, down, sizes, preferred_element_type=_F32)
-        y = y + params[p + "experts.down_proj_bias"].astype(_F32)[e_of]
-    y = y * top_w.reshape(-1)[order][:, None]
-    out = jnp.zeros((T, x.shape[1]), _F32).at[tok].add(y)
+        return jax.lax.ragged_dot(
+            hidden, jnp.swapaxes(down, 1, 2), sizes, preferred_element_type=_F32
+        )
+    # gpt-oss: [in, out] layout, biases, gate and up interleaved, the clamped SwiGLU
+    gu = jax.lax.ragged_dot(xs, gate_up, sizes, preferred_element_type=_F32)
+    gu = gu + weights["gate_up_proj_bias"].astype(_F32)[expert]
+    lim = cfg.swiglu_limit
+    g, u = jnp.minimum(gu[:, 0::2], lim), jnp.clip(gu[:, 1::2], -lim, lim)
+    hidden = ((u + 1) * g * jax.nn.sigmoid(cfg.swiglu_alpha * g)).astype(cd)
+    y = jax.lax.ragged_dot(hidden, down, sizes, preferred_element_type=_F32)
+    return y + weights["down_proj_bias"].astype(_F32)[expert]
+
+
+def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array:
+    """Sparse block: the router's top-k (:func:`_route`), each token's copies run by its k
+    experts (experts.dispatch: sorted by expert through ``lax.ragged_dot``, expert
+    parallel when the mesh splits the experts); DeepSeek's shared experts added (a dense
+    MLP every token runs)."""
+    top_w, top_i = _route(cfg, params, p, x)
+    ex = p + "experts."
+    weights = {n[len(ex) :]: w for n, w in params.items() if n.startswith(ex)}
+    out = experts.dispatch(
+        x, top_w, top_i, weights,
+        compute=functools.partial(_expert_ffn, cfg), num_experts=cfg.num_experts,
+    )  # fmt: skip
     if cfg.shared_expert_gate:  # Qwen3-Next: one shared expert, gated per token
         gate = jax.nn.sigmoid(_linear(params, p + "shared_expert_gate", x))
         out = out + gate * _mlp(cfg, params, p + "shared_expert.", x)
@@ -503,8 +510,10 @@ def batch_hidden_states(params: Params, cfg: VerifierConfig, batch: dict, layer_
     [B, S, n, Ht], with no gradient to the (frozen) parameters.
 
     Rows are vmapped (they stay sharded over the mesh's batch axes), except with experts:
-    ``lax.ragged_dot`` has no batching rule for per-row group sizes, so MoE verifiers run
-    their rows one after the other (``lax.map``)."""
+    MoE verifiers run their rows one after the other (``lax.map``), each row's tokens
+    split over the mesh by the expert exchange (experts.dispatch). Vmapped rows (which
+    experts.dispatch supports) hang Kimi-Linear's training step on 8 simulated CPU
+    devices at fsdp=4 x tensor=2, with or without the exchange: not yet diagnosed."""
     params = jax.lax.stop_gradient(params)
     rows = (batch["input_ids"], batch["position_ids"], batch["document_ids"])
     if cfg.num_experts:
