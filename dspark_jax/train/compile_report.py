@@ -43,6 +43,7 @@ COLLECTIVES = (
     "all-reduce",
     "reduce-scatter",
     "all-to-all",
+    "ragged-all-to-all",  # the experts' exchange (verifier/experts.py)
     "collective-permute",
     "collective-broadcast",
 )
