@@ -141,6 +141,8 @@ class HFExtractor:
             model, output_loading_info=True, **kwargs
         )
         check_loading_info(model, info)
+        if compute == "float32":  # transformers keeps dequantized MXFP4 experts in bf16
+            loaded = loaded.float()  # (exact in fp32) whatever dtype is asked
         self.model = loaded.to(device).eval()
         self.device = torch.device(device)
         self.layers = decoder_layers(self.model)

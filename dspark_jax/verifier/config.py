@@ -313,10 +313,13 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
         return v
 
     quant = d.get("quantization_config")
-    if quant:  # e.g. gpt-oss's MXFP4 experts, FP8 DeepSeek/Kimi checkpoints
+    # gpt-oss's MXFP4 experts are dequantized while reading (verifier/mxfp4.py); other
+    # schemes (FP8 DeepSeek/Kimi, int4 compressed-tensors) are not read
+    if quant and not (mt == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
         raise UnsupportedVerifierError(
             f"{where}: quantization_config ({quant.get('quant_method', quant)}): the in-step "
-            "verifier reads unquantized tensors (bf16/fp32); use a dequantized checkpoint"
+            "verifier reads bf16/fp32 tensors and gpt-oss's MXFP4 experts; use a "
+            "dequantized checkpoint"
         )
     if d.get("use_bidirectional_attention"):
         raise UnsupportedVerifierError(f"{where}: use_bidirectional_attention is not causal")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+import dspark_jax.verifier.mxfp4 as mxfp4
 from dspark_jax import hf_folder
 from dspark_jax.data.files import DataError, SafetensorsFile
 from dspark_jax.parallel import logical_spec
@@ -335,9 +336,39 @@ def _expert_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reade
     return read
 
 
+def _mxfp4_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reader:
+    """Slices of an expert weight stored as MXFP4 blocks and scales (gpt-oss), dequantized."""
+    parts = (name + mxfp4.BLOCKS_SUFFIX, name + mxfp4.SCALES_SUFFIX)
+    for part, want in zip(parts, mxfp4.packed_shapes(shape), strict=True):
+        if part not in ckpt:
+            raise VerifierCheckpointError(f"{ckpt.source}: no tensor {ckpt.prefix}{part}")
+        f, key = ckpt.file(part)
+        if ckpt.shape(part) != want or f.info(key).dtype != "U8":
+            raise VerifierCheckpointError(
+                f"{f.path}: {key} is {f.info(key).dtype} {ckpt.shape(part)}, MXFP4 of "
+                f"{ckpt.prefix}{name} {shape} is U8 {want}"
+            )
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        blocks, scales = (ckpt.view(p) for p in parts)
+        es, rows, cols = index
+        r0, r1, _ = rows.indices(shape[1])
+        g0, g1 = r0 // mxfp4.BLOCK, -(-r1 // mxfp4.BLOCK)
+        if (np.asarray(scales[es, cols, g0:g1]) == mxfp4.NAN_SCALE).any():
+            raise VerifierCheckpointError(
+                f"{ckpt.file(parts[1])[0].path}: {ckpt.prefix}{parts[1]} holds E8M0's NaN "
+                f"scale ({mxfp4.NAN_SCALE}): the checkpoint is corrupt"
+            )
+        return mxfp4.read_slice(blocks, scales, index)
+
+    return read
+
+
 def _tensor_reader(ckpt: Checkpoint, cfg: VerifierConfig, name: str, shape: tuple) -> Reader:
     """Slices of one HF tensor, after checking it exists with ``shape``."""
     name = _on_disk(ckpt, name)
+    if name not in ckpt and name + mxfp4.BLOCKS_SUFFIX in ckpt and len(shape) == 3:
+        return _mxfp4_reader(ckpt, name, shape)
     if name not in ckpt and ".experts." in name:
         return _expert_reader(ckpt, name, shape)
     if name not in ckpt:

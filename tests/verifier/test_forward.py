@@ -54,10 +54,11 @@ def packed_row():
 class Case:
     """One family: HF reference, our params, the projection bound (computed once)."""
 
-    def __init__(self, name, folder, row=None):
-        """row: (documents, ids, positions, document ids) of the packed row (packed_row())."""
+    def __init__(self, name, folder, row=None, model=None):
+        """row: (documents, ids, positions, document ids) of the packed row (packed_row());
+        model: transformers' model of the checkpoint in ``folder`` (default: build one)."""
         self.name = name
-        model = build(name, folder)
+        self.model = model = build(name, folder) if model is None else model
         self.folder = folder
         self.cfg = load_verifier_config(folder)
         self.params = load_params(folder, self.cfg, dtype=jnp.float32)
