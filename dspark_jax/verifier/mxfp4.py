@@ -37,10 +37,13 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def read_slice(blocks: np.ndarray, scales: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
     """``W[index]`` of the weight W [E, A, B] that ``blocks``/``scales`` store (memory maps:
     only the requested experts and output rows, and the blocks holding the requested
-    inputs, are read)."""
+    inputs, are read). A NaN scale in them is a ValueError (a corrupt file)."""
     es, rows, cols = index
     r0, r1, step = rows.indices(blocks.shape[2] * BLOCK)
     assert step == 1, index
     g0, g1 = r0 // BLOCK, -(-r1 // BLOCK)
-    part = dequantize(np.asarray(blocks[es, cols, g0:g1]), np.asarray(scales[es, cols, g0:g1]))
+    scale = np.asarray(scales[es, cols, g0:g1])
+    if (scale == NAN_SCALE).any():
+        raise ValueError(f"E8M0's NaN scale ({NAN_SCALE})")
+    part = dequantize(np.asarray(blocks[es, cols, g0:g1]), scale)
     return part[..., r0 - g0 * BLOCK : r1 - g0 * BLOCK].transpose(0, 2, 1)

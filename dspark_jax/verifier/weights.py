@@ -350,16 +350,13 @@ def _mxfp4_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reader
             )
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
-        blocks, scales = (ckpt.view(p) for p in parts)
-        es, rows, cols = index
-        r0, r1, _ = rows.indices(shape[1])
-        g0, g1 = r0 // mxfp4.BLOCK, -(-r1 // mxfp4.BLOCK)
-        if (np.asarray(scales[es, cols, g0:g1]) == mxfp4.NAN_SCALE).any():
+        try:
+            return mxfp4.read_slice(*(ckpt.view(p) for p in parts), index)
+        except ValueError as e:
             raise VerifierCheckpointError(
-                f"{ckpt.file(parts[1])[0].path}: {ckpt.prefix}{parts[1]} holds E8M0's NaN "
-                f"scale ({mxfp4.NAN_SCALE}): the checkpoint is corrupt"
-            )
-        return mxfp4.read_slice(blocks, scales, index)
+                f"{ckpt.file(parts[1])[0].path}: {ckpt.prefix}{parts[1]} holds {e}: the "
+                "checkpoint is corrupt"
+            ) from None
 
     return read
 
