@@ -310,6 +310,20 @@ def context_shard_map(f, in_specs, out_specs):
     )
 
 
+def previous_shard_rows(xs: jax.Array, n: int, fill) -> jax.Array:
+    """Inside a shard_map over ``context``: the last n rows [n, ...] of the previous
+    shard of the sequence (``fill`` on the first shard), passed by one collective
+    permute. The halo of a causal window of n + 1 tokens; shards must hold >= n rows."""
+    if xs.shape[0] < n:
+        raise ValueError(
+            f"a context shard of {xs.shape[0]} tokens is shorter than the {n} tokens a "
+            "window reads from the shard before it: use fewer context shards"
+        )
+    c = jax.lax.axis_size(CONTEXT_AXIS)
+    tail = jax.lax.ppermute(xs[xs.shape[0] - n :], CONTEXT_AXIS, [(i, i + 1) for i in range(c - 1)])
+    return jnp.where(jax.lax.axis_index(CONTEXT_AXIS) > 0, tail, jnp.asarray(fill, xs.dtype))
+
+
 def shard_take(xs: jax.Array, idx: jax.Array) -> jax.Array:
     """Inside a shard_map over ``context``: rows idx [N] (row positions) of the
     sequence whose equal shards xs [S / C, ...] the devices hold -> [N, ...] on every

@@ -15,12 +15,24 @@ parallel (a unit lower-triangular system for the chunk's writes, transformers'
 carried state from the tokens after it. Per step the chunk's [H, C, C, dk] decays are
 built, never anything of the row's length squared. :func:`recurrent` is the token-by-token
 definition (the tests' oracle and the dense path).
+
+Under a context split (``parallel.context_size() > 1``; docs/design.md, "In-step verifier
+under a context split") each device runs its own tokens: a chunk's state update is affine
+in the incoming state (S' = K S + c, K [dk, dk] per head), and so are its outputs. One
+pass from the state [0 | I] (the value columns, then dk columns that carry the linear
+part) gives every token's output as out0 + R S_in and the shard's end state as A S_in + B.
+The devices all-gather their (A, B) (H dk (dk + dv) values each, never a token) and each
+composes those of the shards before it into its S_in.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax import parallel
 
 _F32 = jnp.float32
 _NO_DOCUMENT = jnp.iinfo(jnp.int32).min  # a document id no token has
@@ -48,8 +60,18 @@ def recurrent(q, k, v, g, beta, document_ids):
 
 def chunked(q, k, v, g, beta, document_ids, chunk: int = 64):
     """Same arguments and result as :func:`recurrent`, chunk by chunk."""
+    doc = document_ids.astype(jnp.int32)
+    if parallel.context_size() > 1:
+        return _split_chunked(q, k, v, g, beta, doc, chunk)
+    H, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    start = jnp.zeros((H, dk, dv), _F32)
+    return _chunks(q, k, v, g, beta, doc, start, jnp.int32(_NO_DOCUMENT), chunk)[0]
+
+
+def _chunks(q, k, v, g, beta, doc, state, state_doc, chunk):
+    """The chunked rule from ``state`` [H, dk, dv] (the carried state of document
+    ``state_doc``) -> (outputs [T, H, dv], the state after the last token [H, dk, dv])."""
     T, H, dk = k.shape
-    dv = v.shape[-1]
     C = chunk
     pad = -T % C
     n = (T + pad) // C
@@ -58,8 +80,9 @@ def chunked(q, k, v, g, beta, document_ids, chunk: int = 64):
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
         return x.reshape(n, C, *x.shape[1:])
 
-    # padding tokens: a document of their own (after the row's last token)
-    docs = chunks(document_ids.astype(jnp.int32), _NO_DOCUMENT + 1)
+    # padding tokens change nothing: in the last token's document, no decay (g = 0), no
+    # write (beta = 0), so the state after them is the state after the row's last token
+    docs = chunks(doc, doc[-1])
     q = chunks(q.astype(_F32) * dk**-0.5)
     k, v, g, beta = (chunks(x.astype(_F32)) for x in (k, v, g, beta))
     causal = jnp.tril(jnp.ones((C, C), bool))
@@ -96,6 +119,45 @@ def chunked(q, k, v, g, beta, document_ids, chunk: int = 64):
         S = S * keep[..., None] + jnp.swapaxes(kc * to_end, 1, 2) @ u
         return (S, last), jnp.swapaxes(out, 0, 1)
 
-    init = (jnp.zeros((H, dk, dv), _F32), jnp.asarray(_NO_DOCUMENT, jnp.int32))
-    _, out = jax.lax.scan(step, init, (q, k, v, g, beta, docs))
-    return out.reshape(n * C, H, dv)[:T]
+    (end, _), out = lax.scan(step, (state, state_doc), (q, k, v, g, beta, docs))
+    return out.reshape(n * C, H, -1)[:T], end
+
+
+def _split_chunked(q, k, v, g, beta, doc, chunk):
+    """:func:`chunked` of a row whose tokens are split over ``context``, inside a
+    shard_map: each device its tokens, the carried state handed over by :func:`hand_off`."""
+
+    def shard(q, k, v, g, beta, doc):
+        axis = parallel.CONTEXT_AXIS
+        s = lax.axis_index(axis)
+        T, H, dk = k.shape
+        dv = v.shape[-1]
+        state_doc = incoming_document(doc)
+        # from [0 | I]: value columns from a zero state, then the linear part's dk columns
+        v = jnp.concatenate([v.astype(_F32), jnp.zeros((T, H, dk), _F32)], axis=-1)
+        eye = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (H, dk, dk))
+        start = jnp.concatenate([jnp.zeros((H, dk, dv), _F32), eye], axis=-1)
+        out, end = _chunks(q, k, v, g, beta, doc, start, state_doc, chunk)
+        S_in = hand_off(lax.all_gather(end, axis), s, dv)
+        return out[..., :dv] + jnp.einsum("thk,hkv->thv", out[..., dv:], S_in)
+
+    seq = P(parallel.CONTEXT_AXIS)
+    return parallel.context_shard_map(shard, (seq,) * 6, seq)(q, k, v, g, beta, doc)
+
+
+def incoming_document(doc):
+    """Inside the shard_map: the document of the state entering this shard, that of the
+    previous shard's last token (none on the first shard)."""
+    return parallel.previous_shard_rows(doc, 1, _NO_DOCUMENT)[0]
+
+
+def hand_off(maps, s, dv):
+    """The state entering shard s: maps [C, H, dk, dv + dk] holds each shard's end state
+    as [B | A] (end = A S_in + B); the shards before s applied in order to a zero state."""
+
+    def apply(j, S):
+        nxt = maps[j, ..., dv:] @ S + maps[j, ..., :dv]
+        return jnp.where(j < s, nxt, S)
+
+    H, dk = maps.shape[1:3]
+    return lax.fori_loop(0, maps.shape[0], apply, jnp.zeros((H, dk, dv), _F32))

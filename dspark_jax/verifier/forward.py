@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import dspark_jax.verifier.delta_rule as delta_rule
 import dspark_jax.verifier.experts as experts
@@ -259,17 +260,30 @@ def _qkv(cfg, params, p, x, rope):
 def _causal_conv(x: jax.Array, w: jax.Array, document_ids: jax.Array) -> jax.Array:
     """Depthwise causal convolution, x [T, D] fp32, w [D, 1, K] (torch's Conv1d with
     groups=D and K-1 zeros in front): out[t] = sum_j w[:, j] x[t - K + 1 + j], the taps
-    before a document's first token zero (its own forward's padding)."""
+    before a document's first token zero (its own forward's padding). Under a context
+    split each shard reads the K - 1 tokens before its first from the previous shard."""
+    K = w.shape[-1]
+    doc = document_ids.astype(jnp.int32)
+    if parallel.context_size() == 1 or K == 1:
+        return _conv_rows(x, w, doc)
+
+    def shard(x, w, doc):
+        x_all = jnp.concatenate([parallel.previous_shard_rows(x, K - 1, 0.0), x])
+        before = parallel.previous_shard_rows(doc, K - 1, jnp.iinfo(jnp.int32).min)
+        return _conv_rows(x_all, w, jnp.concatenate([before, doc]))[K - 1 :]
+
+    seq = P(parallel.CONTEXT_AXIS)
+    return parallel.context_shard_map(shard, (seq, P(), seq), seq)(x, w, doc)
+
+
+def _conv_rows(x, w, doc):
     K = w.shape[-1]
     w = w[:, 0, :].astype(_F32)
     out = x * w[:, K - 1]
     for s in range(1, K):
         earlier = jnp.pad(x, ((s, 0), (0, 0)))[: len(x)]
-        docs = jnp.pad(document_ids, (s, 0), constant_values=jnp.iinfo(jnp.int32).min)
-        out = (
-            out
-            + jnp.where((docs[: len(x)] == document_ids)[:, None], earlier, 0.0) * w[:, K - 1 - s]
-        )
+        docs = jnp.pad(doc, (s, 0), constant_values=jnp.iinfo(jnp.int32).min)
+        out = out + jnp.where((docs[: len(x)] == doc)[:, None], earlier, 0.0) * w[:, K - 1 - s]
     return out
 
 
