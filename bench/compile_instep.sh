@@ -31,6 +31,7 @@ ROWS=(
   "dsv3-v5p-64 tpu:v5p:4x4x2 ${DSV3_MESH:-fsdp=32} 32 8192 $DSV3"
   "kimilinear-v5p-8 tpu:v5p:2x2x1 ${KIMI_LINEAR_MESH:-fsdp=4} 4 8192 $KIMI_LINEAR"
   "kimilinear-h200-8 gpu:h200:8 ${KIMI_LINEAR_MESH:-fsdp=8} 8 8192 $KIMI_LINEAR"
+  "kimilinear-h200-8-256k gpu:h200:8 ${KIMI_LINEAR_LONG_MESH:-fsdp=2,context=4} 2 262144 $KIMI_LINEAR"
 )
 for row in "${ROWS[@]}"; do
   read -r name target mesh rows seq verifier ids mask <<<"$row"
