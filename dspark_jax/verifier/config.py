@@ -35,6 +35,9 @@ FAMILIES = {
     "kimi_k2": "deepseek",  # Kimi-K2's config.json name for the same architecture
     "glm4_moe": "glm",  # GLM-4.5/4.6: GQA, partial RoPE, DeepSeek's sigmoid-routed experts
     "kimi_linear": "kimi",  # Kimi-Linear: KDA layers, MLA without RoPE, sigmoid-routed experts
+    # Kimi-K3: Kimi-Linear + attention residuals, SITU, gates, latent experts (_kimi_k3);
+    # its release nests a kimi_linear text_config in a kimi_k3 wrapper (text_tower)
+    "kimi_k3": "kimi",
     "qwen3_next": "qwen3_next",  # Gated DeltaNet layers, gated attention, (1 + w) norms
     "gpt_oss": "gpt_oss",  # attention sinks, alternating windows, clamped SwiGLU experts
 }
@@ -60,6 +63,7 @@ class LayerKind(NamedTuple):
     rope: str  # key into VerifierConfig.ropes
     moe: bool
     mixer: str = "attention"  # or "kda" / "gdn" (MIXERS)
+    block_start: bool = False  # Kimi-K3: an attention-residual block starts at this layer
 
 
 class RopeView(NamedTuple):
@@ -148,6 +152,17 @@ class VerifierConfig:
     attn_sinks: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Kimi-K3's additions to Kimi-Linear (docs/design.md, "Kimi-K3"; read from sglang-jax's
+    # port, not verified against Moonshot's modeling code): attention residuals over depth
+    # blocks of attn_res_block layers; the SITU gated activation (situ: beta, linear_beta);
+    # a sigmoid output gate on MLA (g_proj); KDA's output gate from one full-rank g_proj;
+    # routed experts in a latent of latent_moe width (down, experts, norm, up)
+    attn_res_block: int | None = None
+    situ: tuple[float, float | None] | None = None
+    mla_output_gate: bool = False
+    kda_full_rank_gate: bool = False
+    latent_moe: int | None = None
+    latent_moe_norm: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -178,9 +193,11 @@ class VerifierConfig:
         return self.layer_mixers[layer] if self.layer_mixers else "attention"
 
     def kind(self, layer: int) -> LayerKind:
+        block_start = self.attn_res_block is not None and layer % self.attn_res_block == 0
         return LayerKind(
-            self.layer_windows[layer], self.layer_rope[layer], self.is_moe(layer), self.mixer(layer)
-        )
+            self.layer_windows[layer], self.layer_rope[layer], self.is_moe(layer),
+            self.mixer(layer), block_start,
+        )  # fmt: skip
 
     @property
     def layer_stacks(self) -> tuple[tuple[LayerKind, tuple[int, ...]], ...]:
@@ -287,6 +304,14 @@ def text_tower(d: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
     """The config of the language model: ``d`` itself, or a multimodal wrapper's
     ``text_config`` (the wrapper's ``tie_word_embeddings`` applies to it)."""
     mt = d.get("model_type")
+    if mt == "kimi_k3" and isinstance(d.get("text_config"), dict):  # K3's release layout
+        text = d["text_config"]
+        if text.get("model_type") not in ("kimi_linear", "kimi_k3"):
+            raise ValueError(
+                f"{where}: model_type 'kimi_k3' needs a text_config of model_type "
+                f"'kimi_linear', got {text.get('model_type')!r}"
+            )
+        return text
     if mt not in MULTIMODAL:
         return d
     text = hf_folder.text_config(d)
@@ -302,7 +327,9 @@ def text_tower(d: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
 def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierConfig:
     """A checked VerifierConfig from a config.json dict (refuses unsupported families)."""
     check_supported(d, where)
+    quant = d.get("quantization_config")  # a multimodal wrapper's applies to its text tower
     d = text_tower(d, where)
+    quant = d.get("quantization_config") or quant
     mt = d["model_type"]
     gemma = FAMILIES[mt] == "gemma"
 
@@ -312,7 +339,6 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             raise ValueError(f"{where}: missing field {key!r}")
         return v
 
-    quant = d.get("quantization_config")
     # gpt-oss's MXFP4 experts are dequantized while reading (verifier/mxfp4.py); other
     # schemes (FP8 DeepSeek/Kimi, int4 compressed-tensors) are not read
     if quant and not (mt == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
@@ -335,7 +361,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             d = {**d, "max_position_embeddings": d.get("model_max_length")}
         moe, mla, hd, query_scale = _deepseek(d, n, need, where, _kimi_moe(d, n, where))
         mla["mla_rope"] = False
-        mixers = _kimi_mixers(d, n, need, where)
+        mixers = _kimi_mixers(d, n, need, where) | _kimi_k3(d, where)
     elif FAMILIES[mt] == "qwen3_next":
         mixers = _qwen3_next_mixers(d, n, need, where)
     elif FAMILIES[mt] == "glm":
@@ -355,7 +381,7 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     if act == "gelu_pytorch_tanh" or (gemma and act in ("gelu", "gelu_new")):
         act = "gelu_pytorch_tanh"
-    if act not in ACTIVATIONS:
+    if act not in ACTIVATIONS and not (act == "situ" and mixers.get("situ")):
         raise UnsupportedVerifierError(f"{where}: hidden_act {act!r}; supported {ACTIVATIONS}")
     if nh % nkv:
         raise ValueError(f"{where}: num_attention_heads {nh} % num_key_value_heads {nkv} != 0")
@@ -551,6 +577,32 @@ def _kimi_mixers(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
         linear_v_dim=dim,
         linear_conv=int(lac.get("short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4))),
     ) | dict(linear_k_heads=heads, linear_k_dim=dim)
+
+
+def _kimi_k3(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Kimi-K3's fields on its Kimi-Linear text config, as sglang-jax's port reads them
+    (``attn_res_block_size``, ``hidden_act: situ`` with ``activation_situ_beta`` and
+    ``activation_situ_linear_beta``, ``mla_use_output_gate``,
+    ``linear_attn_config.use_full_rank_gate``, ``routed_expert_hidden_size``,
+    ``latent_moe_use_norm``)."""
+    out: dict[str, Any] = {}
+    block = d.get("attn_res_block_size")
+    if block is not None:
+        if int(block) < 1:
+            raise ValueError(f"{where}: attn_res_block_size {block} must be >= 1")
+        out["attn_res_block"] = int(block)
+    if d.get("hidden_act") == "situ":
+        beta, linear = d.get("activation_situ_beta"), d.get("activation_situ_linear_beta")
+        if beta is None:
+            raise ValueError(f"{where}: hidden_act situ needs activation_situ_beta")
+        out["situ"] = (float(beta), None if linear is None else float(linear))
+    out["mla_output_gate"] = bool(d.get("mla_use_output_gate", False))
+    out["kda_full_rank_gate"] = bool((d.get("linear_attn_config") or {}).get("use_full_rank_gate"))
+    latent = d.get("routed_expert_hidden_size")
+    if latent is not None:
+        out["latent_moe"] = int(latent)
+        out["latent_moe_norm"] = bool(d.get("latent_moe_use_norm", False))
+    return out
 
 
 def _qwen3_next_mixers(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:

@@ -69,9 +69,21 @@ def _act(cfg: VerifierConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
+def _glu(cfg: VerifierConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """act(gate) * up, or Kimi-K3's SITU (sglang-jax's ``situ_and_mul``): beta tanh(gate /
+    beta) sigmoid(gate) times up, the up soft-clipped to linear_beta tanh(up / linear_beta)
+    when set (fp32)."""
+    if cfg.situ is None:
+        return _act(cfg, gate) * up
+    beta, linear = cfg.situ
+    if linear is not None:
+        up = linear * jnp.tanh(up / linear)
+    return beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate) * up
+
+
 def _mlp(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array:
-    gate = _act(cfg, _linear(params, p + "gate_proj", x))
-    return _linear(params, p + "down_proj", gate * _linear(params, p + "up_proj", x))
+    up = _linear(params, p + "up_proj", x)
+    return _linear(params, p + "down_proj", _glu(cfg, _linear(params, p + "gate_proj", x), up))
 
 
 def _route(cfg: VerifierConfig, params: Params, p: str, x: jax.Array):
@@ -114,7 +126,7 @@ def _expert_ffn(cfg: VerifierConfig, weights: Params, xs, sizes, expert) -> jax.
     if cfg.swiglu_limit is None:
         gu = jax.lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2), sizes, preferred_element_type=_F32)
         g, u = jnp.split(gu, 2, axis=-1)
-        hidden = (_act(cfg, g) * u).astype(cd)
+        hidden = _glu(cfg, g, u).astype(cd)
         return jax.lax.ragged_dot(
             hidden, jnp.swapaxes(down, 1, 2), sizes, preferred_element_type=_F32
         )
@@ -136,10 +148,17 @@ def _moe(cfg: VerifierConfig, params: Params, p: str, x: jax.Array) -> jax.Array
     top_w, top_i = _route(cfg, params, p, x)
     ex = p + "experts."
     weights = {n[len(ex) :]: w for n, w in params.items() if n.startswith(ex)}
+    # Kimi-K3: the routed experts run in a latent (down, experts, norm, up); the router
+    # and the shared experts read the full hidden state
+    routed_in = x if cfg.latent_moe is None else _linear(params, p + "routed_expert_down_proj", x)
     out = experts.dispatch(
-        x, top_w, top_i, weights,
+        routed_in, top_w, top_i, weights,
         compute=functools.partial(_expert_ffn, cfg), num_experts=cfg.num_experts,
     )  # fmt: skip
+    if cfg.latent_moe is not None:
+        if cfg.latent_moe_norm:
+            out = _norm(cfg, out, params[p + "routed_expert_norm.weight"])
+        out = _linear(params, p + "routed_expert_up_proj", out)
     if cfg.shared_expert_gate:  # Qwen3-Next: one shared expert, gated per token
         gate = jax.nn.sigmoid(_linear(params, p + "shared_expert_gate", x))
         out = out + gate * _mlp(cfg, params, p + "shared_expert.", x)
@@ -231,8 +250,9 @@ def _qkv(cfg, params, p, x, rope):
     """Projected, normed (qk_norm) and rotated q [T, Nh, D], k/v [T, Nkv, D], in the
     projection weights' dtype (the attention's matmul operands), and the output gate
     [T, Nh * D] fp32 (Qwen3-Next; else None)."""
-    if cfg.mla:
-        return (*_mla_qkv(cfg, params, p, x, rope), None)
+    if cfg.mla:  # Kimi-K3's MLA: a sigmoid gate on its output, before o_proj
+        gate = _linear(params, p + "g_proj", x) if cfg.mla_output_gate else None
+        return (*_mla_qkv(cfg, params, p, x, rope), gate)
     T, d = x.shape[0], cfg.head_dim
     q = _linear(params, p + "q_proj", x)
     gate = None
@@ -313,7 +333,11 @@ def _kda(cfg, params, p, x, document_ids, dense: bool, chunk: int) -> jax.Array:
     beta = jax.nn.sigmoid(_linear(params, p + "b_proj", x))
     rule = delta_rule.recurrent if dense else functools.partial(delta_rule.chunked, chunk=chunk)
     o = rule(q, k, v, g, beta, document_ids)
-    gate = _linear(params, p + "g_b_proj", _linear(params, p + "g_a_proj", x)).reshape(T, nh, d)
+    if cfg.kda_full_rank_gate:  # Kimi-K3: one full-rank projection
+        gate = _linear(params, p + "g_proj", x).reshape(T, nh, d)
+    else:
+        gate = _linear(params, p + "g_b_proj", _linear(params, p + "g_a_proj", x))
+        gate = gate.reshape(T, nh, d)
     o = rms_norm(o, params[p + "o_norm.weight"].astype(_F32), cfg.rms_norm_eps)
     return _linear(params, p + "o_proj", (o * jax.nn.sigmoid(gate)).reshape(T, nh * d))
 
@@ -371,10 +395,18 @@ def _attention(cfg, params, p, kind, x, rope, document_ids, dense, q_block, kv_c
     return _linear(params, p + "o_proj", out)
 
 
-def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x: jax.Array, ropes, doc, opts):
+def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x, ropes, doc, opts):
     """One decoder layer; ``lp`` holds its parameters by their name within the layer
-    (``self_attn.q_proj.weight``); x [S, H] fp32 -> [S, H] fp32."""
-    h = _norm(cfg, x, lp["input_layernorm.weight"])
+    (``self_attn.q_proj.weight``); x [S, H] fp32 -> [S, H] fp32 (with attention
+    residuals, the pair (partial sum [S, H], completed blocks [S, n, H]): _attn_res_layer)."""
+    if cfg.attn_res_block is not None:
+        return _attn_res_layer(cfg, kind, lp, x, ropes, doc, opts)
+    h = _mixer(cfg, kind, lp, _norm(cfg, x, lp["input_layernorm.weight"]), ropes, doc, opts)
+    return _after_attention(cfg, kind, lp, x, h)
+
+
+def _mixer(cfg: VerifierConfig, kind: LayerKind, lp: Params, h, ropes, doc, opts):
+    """The layer's token mixer (attention, KDA, Gated DeltaNet) on its normed input h."""
     dense, q_block, kv_chunk, kda_chunk = opts
     if kind.mixer == "kda":
         h = _kda(cfg, lp, "self_attn.", h, doc, dense, kda_chunk)
@@ -383,7 +415,43 @@ def _layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, x: jax.Array, ropes
     else:
         h = _attention(cfg, lp, "self_attn.", kind, h, ropes[kind.rope], doc, dense, q_block,
                        kv_chunk)  # fmt: skip
-    return _after_attention(cfg, kind, lp, x, h)
+    return h
+
+
+def attn_res(cfg: VerifierConfig, params: Params, name: str, partial, blocks) -> jax.Array:
+    """Kimi-K3's attention residual (sglang-jax's ``attention_residual_apply``): the
+    completed blocks [S, n, H] and the partial sum [S, H] as n + 1 candidates, each scored
+    by ``{name}_proj(RMSNorm(v))`` (hidden -> 1), softmaxed over the candidates; their
+    weighted sum [S, H] (fp32 throughout)."""
+    values = jnp.concatenate([blocks, partial[:, None]], axis=1)
+    normed = _norm(cfg, values, params[name + "_norm.weight"])
+    w = params[name + "_proj.weight"][0].astype(_F32)
+    scores = jnp.einsum("snh,h->sn", normed, w, precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(jax.nn.softmax(scores, axis=-1)[..., None] * values, axis=1)
+
+
+def _attn_res_layer(cfg: VerifierConfig, kind: LayerKind, lp: Params, carry, ropes, doc, opts):
+    """A Kimi-K3 layer (sglang-jax's ``KimiK3DecoderLayer`` AttnRes path). carry = (the
+    partial sum of the current block, the completed blocks [S, n, H]; the embedding is the
+    first). The attention reads the attention residual over them; at a block's first layer
+    the partial sum becomes a completed block and the new block's sum starts from this
+    layer's attention output; the MLP reads a second attention residual; the layer returns
+    the partial sum plus the MLP's output."""
+    partial, blocks = carry
+    h = (
+        partial
+        if blocks.shape[1] == 0
+        else attn_res(cfg, lp, "self_attention_res", partial, blocks)
+    )
+    if kind.block_start:
+        blocks = jnp.concatenate([blocks, partial[:, None]], axis=1)
+    a = _mixer(cfg, kind, lp, _norm(cfg, h, lp["input_layernorm.weight"]), ropes, doc, opts)
+    partial = a if kind.block_start else partial + a
+    h = _norm(
+        cfg, attn_res(cfg, lp, "mlp_res", partial, blocks), lp["post_attention_layernorm.weight"]
+    )
+    h = _moe(cfg, lp, "mlp.", h) if kind.moe else _mlp(cfg, lp, "mlp.", h)
+    return partial + h, blocks
 
 
 def _after_attention(cfg: VerifierConfig, kind: LayerKind, lp: Params, x, h) -> jax.Array:
@@ -454,6 +522,8 @@ def _run_block(cfg: VerifierConfig, params: Params, block: Block, carry, layer_f
             carry = layer_fn(kind, lp, carry)
         return carry, None
 
+    if block.repeats == 1:  # no loop: the carry may change shape (Kimi-K3's block starts)
+        return body(carry, jnp.int32(0))[0]
     carry, _ = jax.lax.scan(body, carry, jnp.arange(block.repeats, dtype=jnp.int32))
     return carry
 
@@ -505,16 +575,32 @@ def hidden_states(
     kinds = [cfg.kind(i) for i in range(cfg.num_hidden_layers)]
     captured = [x] if 0 in layer_ids else []
 
-    def layer_fn(kind, lp, x):
+    def layer_fn(kind, lp, carry):
         # Under a context split every per-token array stays split (the attention gathers
         # only keys and values): docs/design.md, "In-step verifier under a context split".
-        return parallel.constrain_tokens(_layer(cfg, kind, lp, x, ropes, document_ids, opts))
+        out = _layer(cfg, kind, lp, carry, ropes, document_ids, opts)
+        return jax.tree.map(parallel.constrain_tokens, out)
 
+    # Kimi-K3: the carry is (partial sum, completed blocks); the blocks grow at each
+    # block's first layer, so scans stop there (a scan's carry keeps its shape). Layer id
+    # k is the partial sum after k layers; id N what the final norm reads, the last
+    # attention residual over the blocks.
+    res = cfg.attn_res_block is not None
+    carry = (x, jnp.zeros((x.shape[0], 0, x.shape[1]), _F32)) if res else x
+    ends = set(layer_ids) - {0}
+    if res:
+        ends |= {i for i in range(1, max(ends, default=0)) if kinds[i].block_start}
     lo = 0
-    for hi in (i for i in layer_ids if i > 0):
+    for hi in sorted(ends):
         for block in layer_blocks(kinds, lo, hi):
-            x = _run_block(cfg, params, block, x, layer_fn)
-        captured.append(x)
+            carry = _run_block(cfg, params, block, carry, layer_fn)
+        if hi in layer_ids:
+            if not res:
+                captured.append(carry)
+            elif hi < cfg.num_hidden_layers:
+                captured.append(carry[0])
+            else:
+                captured.append(attn_res(cfg, params, "output_attn_res", *carry))
         lo = hi
     return jnp.stack(captured, axis=1).astype(out_dtype)
 
@@ -545,6 +631,8 @@ def drafted_blocks_supported(cfg: VerifierConfig) -> str | None:
     query scale other than head_dim**-0.5."""
     if set(cfg.layer_mixers) - {"attention"}:
         return "linear-attention (KDA, Gated DeltaNet) layers"
+    if cfg.attn_res_block is not None:
+        return "attention residuals (Kimi-K3)"
     if cfg.attn_output_gate:
         return "gated attention outputs"
     if cfg.attn_sinks:

@@ -20,6 +20,7 @@ device's shard of a stacked parameter is its slice of every layer's tensor.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,11 @@ def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple,
         }
     layer["input_layernorm.weight"] = ((h,), ("norm",))
     layer["post_attention_layernorm.weight"] = ((h,), ("norm",))
+    if cfg.attn_res_block is not None:  # Kimi-K3: a norm and a scorer per attention residual
+        layer |= _attn_res_specs(cfg, "self_attention_res") | _attn_res_specs(cfg, "mlp_res")
+    if cfg.mla_output_gate and cfg.mla and kind.mixer == "attention":
+        layer[a + "g_proj.weight"] = ((cfg.num_attention_heads * cfg.v_head_dim, h),
+                                      ("heads", "embed"))  # fmt: skip
     if cfg.qkv_bias and kind.mixer == "attention":
         layer[a + "q_proj.bias"] = ((nq,), ("heads",))
         layer[a + "k_proj.bias"] = ((nkv,), ("kv_heads",))
@@ -111,9 +117,16 @@ def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple,
             layer[sh + "gate_proj.weight"] = ((si, h), ("mlp", "embed"))
             layer[sh + "up_proj.weight"] = ((si, h), ("mlp", "embed"))
             layer[sh + "down_proj.weight"] = ((h, si), ("embed", "mlp"))
+        eh = h
+        if cfg.latent_moe is not None:  # Kimi-K3: routed experts in a narrower latent
+            eh = cfg.latent_moe
+            layer[m + "routed_expert_down_proj.weight"] = ((eh, h), (None, "embed"))
+            layer[m + "routed_expert_up_proj.weight"] = ((h, eh), ("embed", None))
+            if cfg.latent_moe_norm:
+                layer[m + "routed_expert_norm.weight"] = ((eh,), ("norm",))
         # fsdp splits the experts (whole ones per device) when it divides E, else H
-        layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, h), ("experts", "mlp", "embed"))
-        layer[m + "experts.down_proj"] = ((e, h, mi), ("experts", "embed", "mlp"))
+        layer[m + "experts.gate_up_proj"] = ((e, 2 * mi, eh), ("experts", "mlp", "embed"))
+        layer[m + "experts.down_proj"] = ((e, eh, mi), ("experts", "embed", "mlp"))
     else:
         inter = cfg.intermediate_size
         layer[m + "gate_proj.weight"] = ((inter, h), ("mlp", "embed"))
@@ -124,6 +137,13 @@ def _layer_specs(cfg: VerifierConfig, kind: LayerKind) -> dict[str, tuple[tuple,
             layer[m + "up_proj.bias"] = ((inter,), ("mlp",))
             layer[m + "down_proj.bias"] = ((h,), ("norm",))
     return layer
+
+
+def _attn_res_specs(cfg: VerifierConfig, name: str) -> dict[str, tuple[tuple, tuple]]:
+    """One attention residual's RMSNorm and its hidden -> 1 scorer (sibling tensors
+    ``{name}_norm.weight``, ``{name}_proj.weight``, as the K3 release names them)."""
+    h = cfg.hidden_size
+    return {name + "_norm.weight": ((h,), ("norm",)), name + "_proj.weight": ((1, h), (None, None))}
 
 
 def _mla_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
@@ -162,8 +182,11 @@ def _kda_specs(cfg: VerifierConfig) -> dict[str, tuple[tuple, tuple]]:
     out[a + "dt_bias"] = ((inner,), ("heads",))
     out[a + "A_log"] = ((1, 1, nh, 1), (None, None, "heads", None))
     out[a + "b_proj.weight"] = ((nh, h), ("heads", "embed"))
-    out[a + "g_a_proj.weight"] = ((d, h), (None, "embed"))
-    out[a + "g_b_proj.weight"] = ((inner, d), ("heads", None))
+    if cfg.kda_full_rank_gate:  # Kimi-K3: one [inner, h] output gate
+        out[a + "g_proj.weight"] = ((inner, h), ("heads", "embed"))
+    else:
+        out[a + "g_a_proj.weight"] = ((d, h), (None, "embed"))
+        out[a + "g_b_proj.weight"] = ((inner, d), ("heads", None))
     out[a + "o_norm.weight"] = ((d,), ("norm",))
     out[a + "o_proj.weight"] = ((h, inner), ("embed", "heads"))
     return out
@@ -203,6 +226,9 @@ def param_specs(cfg: VerifierConfig) -> dict[str, ParamSpec]:
     specs = {
         "embed_tokens.weight": ParamSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
     }
+    if cfg.attn_res_block is not None:  # Kimi-K3's last attention residual, before the norm
+        for name, (shape, axes) in _attn_res_specs(cfg, "output_attn_res").items():
+            specs[name] = ParamSpec(shape, axes)
     for j, (kind, layers) in enumerate(cfg.layer_stacks):
         for name, (shape, axes) in _layer_specs(cfg, kind).items():
             specs[f"stacks.{j}.{name}"] = ParamSpec(
@@ -374,6 +400,11 @@ def _tensor_reader(ckpt: Checkpoint, cfg: VerifierConfig, name: str, shape: tupl
             f"{cfg.model_type}, {cfg.num_hidden_layers} layers)"
         )
     got = ckpt.shape(name)
+    heads = math.prod(shape)
+    if name.endswith(".A_log") and len(got) == 1 and got != shape and got[0] >= heads:
+        # Kimi-K3 stores KDA's per-head rates flat, padded to head_dim: the first num_heads
+        # entries are the heads' (sglang-jax's port narrows them the same way)
+        return lambda index: np.asarray(ckpt.view(name)[:heads]).reshape(shape)[index]
     if got != shape:
         raise VerifierCheckpointError(
             f"{ckpt.file(name)[0].path}: {ckpt.prefix}{name} has shape {got}, config.json "
