@@ -339,13 +339,14 @@ def verifier_config(d: dict[str, Any], where: str = "config.json") -> VerifierCo
             raise ValueError(f"{where}: missing field {key!r}")
         return v
 
-    # gpt-oss's MXFP4 experts are dequantized while reading (verifier/mxfp4.py); other
-    # schemes (FP8 DeepSeek/Kimi, int4 compressed-tensors) are not read
-    if quant and not (mt == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
+    # gpt-oss's MXFP4 experts and Kimi's in compressed-tensors' MXFP4 packing are
+    # dequantized while reading (verifier/mxfp4.py); other schemes (FP8 DeepSeek/Kimi,
+    # int4 compressed-tensors) are not read
+    if quant and not _mxfp4_experts(quant, mt):
         raise UnsupportedVerifierError(
             f"{where}: quantization_config ({quant.get('quant_method', quant)}): the in-step "
-            "verifier reads bf16/fp32 tensors and gpt-oss's MXFP4 experts; use a "
-            "dequantized checkpoint"
+            "verifier reads bf16/fp32 tensors and MXFP4 experts (gpt-oss's, Kimi's "
+            "mxfp4-pack-quantized); use a dequantized checkpoint"
         )
     if d.get("use_bidirectional_attention"):
         raise UnsupportedVerifierError(f"{where}: use_bidirectional_attention is not causal")
@@ -577,6 +578,19 @@ def _kimi_mixers(d: dict[str, Any], n: int, need, where: str) -> dict[str, Any]:
         linear_v_dim=dim,
         linear_conv=int(lac.get("short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4))),
     ) | dict(linear_k_heads=heads, linear_k_dim=dim)
+
+
+def _mxfp4_experts(quant: dict[str, Any], mt: str) -> bool:
+    """A quantization_config the reader dequantizes: gpt-oss's ``mxfp4``, or on Kimi's
+    families compressed-tensors whose every format is ``mxfp4-pack-quantized`` (the
+    experts' ``weight_packed`` / ``weight_scale``; an unpacked tensor is read as is)."""
+    if FAMILIES.get(mt) == "gpt_oss":
+        return quant.get("quant_method") == "mxfp4"
+    if FAMILIES.get(mt) != "kimi" or quant.get("quant_method") != "compressed-tensors":
+        return False
+    groups = (quant.get("config_groups") or {}).values()
+    formats = {quant.get("format")} | {g.get("format") for g in groups if isinstance(g, dict)}
+    return formats - {None} == {"mxfp4-pack-quantized"}
 
 
 def _kimi_k3(d: dict[str, Any], where: str) -> dict[str, Any]:

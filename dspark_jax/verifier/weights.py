@@ -319,29 +319,24 @@ def _on_disk(ckpt: Checkpoint, name: str) -> str:
 
 
 def _expert_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reader:
-    """Stacked experts from per-expert tensors (``experts.{e}.gate_proj.weight`` ...)."""
+    """Stacked experts from per-expert tensors (``experts.{e}.gate_proj.weight`` ...),
+    plain or packed as compressed-tensors' MXFP4 (``.weight_packed`` and ``.weight_scale``:
+    Kimi-K3's experts; verifier/mxfp4.py)."""
     base = name.rsplit("experts.", 1)[0] + "experts."
     bases = [base]
     for ours, others in MODULE_ALIASES.items():  # the module's name on disk
         head, sep, tail = base.partition("." + ours)
         bases += [f"{head}.{other}{tail}" for other in others] if sep else []
     names = EXPERT_PARTS[name.rsplit(".", 1)[1]]
-    found = [(b, p) for b in bases for p in names if f"{b}0.{p[0]}.weight" in ckpt]
+    suffixes = ("weight", mxfp4.PACKED_SUFFIXES[0])
+    found = [(b, p) for b in bases for p in names for x in suffixes if f"{b}0.{p[0]}.{x}" in ckpt]
     base, parts = found[0] if found else (base, names[0])
     e_count, rows = shape[0], shape[1] // len(parts)
-    for e in range(e_count):
-        for part in parts:
-            key = f"{base}{e}.{part}.weight"
-            if key not in ckpt:
-                raise VerifierCheckpointError(
-                    f"{ckpt.source}: no tensor {ckpt.prefix}{name} nor {ckpt.prefix}{key}"
-                )
-            want = (rows, shape[2])
-            if ckpt.shape(key) != want:
-                raise VerifierCheckpointError(
-                    f"{ckpt.file(key)[0].path}: {ckpt.prefix}{key} has shape "
-                    f"{ckpt.shape(key)}, config.json implies {want}"
-                )
+    views = {
+        (e, part): _expert_part(ckpt, name, f"{base}{e}.{part}", (rows, shape[2]))
+        for e in range(e_count)
+        for part in parts
+    }
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         """Only the requested experts, and of each part (gate rows [0, I), up rows
@@ -355,9 +350,48 @@ def _expert_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reade
             for j, part in enumerate(parts):
                 lo, hi = max(r0 - j * rows, 0), min(r1 - j * rows, rows)
                 if lo < hi:
-                    pieces.append(ckpt.view(f"{base}{e}.{part}.weight")[lo:hi, cs])
+                    pieces.append(views[e, part](slice(lo, hi), cs))
             out.append(np.concatenate(pieces))
         return np.stack(out)
+
+    return read
+
+
+def _expert_part(ckpt: Checkpoint, name: str, stem: str, want: tuple[int, int]):
+    """A reader ``(rows, cols) -> array`` of one expert's [out, in] weight ``stem``, plain
+    (``.weight``) or MXFP4-packed, after checking its shape (and, packed, dtypes)."""
+    key = stem + ".weight"
+    if key in ckpt:
+        if ckpt.shape(key) != want:
+            raise VerifierCheckpointError(
+                f"{ckpt.file(key)[0].path}: {ckpt.prefix}{key} has shape "
+                f"{ckpt.shape(key)}, config.json implies {want}"
+            )
+        return lambda r, c: ckpt.view(key)[r, c]
+    packed, scale = (f"{stem}.{x}" for x in mxfp4.PACKED_SUFFIXES)
+    if packed not in ckpt:
+        raise VerifierCheckpointError(
+            f"{ckpt.source}: no tensor {ckpt.prefix}{name} nor {ckpt.prefix}{key}"
+        )
+    r, c = want
+    for part, shape in ((packed, (r, c // 2)), (scale, (r, c // mxfp4.BLOCK))):
+        if part not in ckpt:
+            raise VerifierCheckpointError(f"{ckpt.source}: no tensor {ckpt.prefix}{part}")
+        f, k = ckpt.file(part)
+        if c % mxfp4.BLOCK or ckpt.shape(part) != shape or f.info(k).dtype != "U8":
+            raise VerifierCheckpointError(
+                f"{f.path}: {k} is {f.info(k).dtype} {ckpt.shape(part)}, MXFP4 of "
+                f"{ckpt.prefix}{key} {want} is U8 {shape}"
+            )
+
+    def read(rows: slice, cols: slice) -> np.ndarray:
+        try:
+            return mxfp4.read_packed(ckpt.view(packed), ckpt.view(scale), rows, cols)
+        except ValueError as e:
+            raise VerifierCheckpointError(
+                f"{ckpt.file(scale)[0].path}: {ckpt.prefix}{scale} holds {e}: the "
+                "checkpoint is corrupt"
+            ) from None
 
     return read
 

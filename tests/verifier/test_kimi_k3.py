@@ -6,7 +6,10 @@ written from sglang-jax's K3 port (sgl-project/sglang-jax @ 403d8dd,
 docs/design.md, "Kimi-K3"), which says it follows "KimiDecoderLayer.forward in the PyTorch
 reference exactly": attention residuals over depth blocks (two per layer and one before
 the final norm), the SITU activation, a sigmoid gate on the MLA output before o_proj, a
-full-rank KDA output gate, routed experts in a latent (down, experts, RMSNorm, up).
+full-rank KDA output gate, routed experts in a latent (down, experts, RMSNorm, up). The
+checkpoint is in K3's release layout: a ``kimi_k3`` wrapper, tensors under
+``language_model.``, A_log padded, the experts packed as compressed-tensors' MXFP4 (the
+definition uses the weights compressed-tensors itself decodes them to).
 
 The oracle reuses transformers 5.19's Kimi-Linear modules in float64 for what K3 shares
 with it (KDA, MLA, the router: each checked against our forward in test_forward.py) and
@@ -37,14 +40,15 @@ from tests.verifier.test_forward import LAYER_IDS, Case, packed_row
 
 # 3 layers (KDA, MLA, KDA; dense, then experts): blocks start at layers 0 and 2, so layer
 # 2's attention residual sees two candidates and its MLP's three; layer id 3 is the last
-# attention residual. SITU's clips at 1.5 and 2 bite on O(1) activations.
+# attention residual. SITU's clips at 1.5 and 2 bite on O(1) activations. The latent (64)
+# differs from the hidden size (32); MXFP4 needs inputs in multiples of 32.
 K3 = dict(
     attn_res_block_size=2,
     hidden_act="situ",
     activation_situ_beta=1.5,
     activation_situ_linear_beta=2.0,
     mla_use_output_gate=True,
-    routed_expert_hidden_size=20,
+    routed_expert_hidden_size=64,
     latent_moe_use_norm=True,
 )
 LINEAR = dict(head_dim=8, num_heads=4, short_conv_kernel_size=4, kda_layers=[1, 3],
@@ -87,18 +91,49 @@ def _k3_tensors(model, seed=3) -> dict[str, np.ndarray]:
     return out
 
 
+def _pack_experts(extra, seed=5):
+    """The routed experts as K3 ships them, compressed-tensors' MXFP4 (random codes,
+    scales 2**-6 .. 2**-4): ``weight_packed`` / ``weight_scale`` for the checkpoint, and
+    in ``extra`` the weights compressed-tensors 0.20.1 decodes them to (the definition's)."""
+    from compressed_tensors.compressors.mx_utils import decompress_mx_scale
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    g = np.random.default_rng(seed)
+    packed = {}
+    for key in [k for k in extra if ".experts." in k]:
+        rows, cols = extra[key].shape
+        codes = g.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        scale = g.integers(121, 124, (rows, cols // 32), dtype=np.uint8)
+        w = unpack_fp4_from_uint8(torch.from_numpy(codes), rows, cols, torch.float32)
+        w = w * decompress_mx_scale(torch.from_numpy(scale)).float().repeat_interleave(32, 1)
+        extra[key] = w.numpy()
+        stem = key.removesuffix(".weight")
+        packed[stem + ".weight_packed"], packed[stem + ".weight_scale"] = codes, scale
+    return packed
+
+
+QUANT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+         "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
+                                       "weights": {"num_bits": 4, "type": "float",
+                                                   "group_size": 32}}}}  # fmt: skip
+
+
 def build_k3(folder):
     """A tiny Kimi-Linear saved in K3's release layout: its tensors with K3's added or
     replacing theirs (the KDA's g_a/g_b_proj dropped for g_proj, experts in the latent,
-    A_log flat and padded to head_dim), under ``language_model.``, and K3's fields in the
-    text_config of a ``kimi_k3`` wrapper. Returns (the Kimi-Linear torch model, K3's
-    tensors)."""
-    model = build("kimi_linear", folder, q_lora_rank=6, linear_attn_config=LINEAR)
+    packed as MXFP4; A_log flat and padded to head_dim), under ``language_model.``, and
+    K3's fields in the text_config of a ``kimi_k3`` wrapper (its quantization_config
+    compressed-tensors'). Returns (the Kimi-Linear torch model, K3's tensors)."""
+    model = build("kimi_linear", folder, q_lora_rank=6, linear_attn_config=LINEAR,
+                  moe_intermediate_size=32)  # fmt: skip
     extra = _k3_tensors(model)
+    packed = _pack_experts(extra)
     path = folder / "model.safetensors"
-    tensors = {k: v for k, v in load_file(path).items() if ".g_a_proj." not in k
-               and ".g_b_proj." not in k}  # fmt: skip
-    tensors |= {"model." + k: torch.from_numpy(v) for k, v in extra.items()}
+    replaced = (".g_a_proj.", ".g_b_proj.", ".experts.")  # the experts: packed, in the latent
+    tensors = {k: v for k, v in load_file(path).items() if not any(r in k for r in replaced)}
+    tensors |= {"model." + k: torch.from_numpy(v) for k, v in extra.items()
+                if ".experts." not in k}  # fmt: skip
+    tensors |= {"model." + k: torch.from_numpy(v) for k, v in packed.items()}
     for k in [k for k in tensors if k.endswith("A_log")]:  # [1, 1, H, 1] -> [head_dim]
         heads = tensors[k].reshape(-1)
         tensors[k] = torch.cat([heads, torch.full((LINEAR["head_dim"] - len(heads),), 7.0)])
@@ -107,7 +142,7 @@ def build_k3(folder):
     text = json.loads((folder / "config.json").read_text()) | K3
     text["linear_attn_config"] = {**text["linear_attn_config"], "use_full_rank_gate": True}
     wrapper = dict(model_type="kimi_k3", architectures=["KimiK3ForConditionalGeneration"],
-                   text_config=text)  # fmt: skip
+                   text_config=text, quantization_config=QUANT)  # fmt: skip
     (folder / "config.json").write_text(json.dumps(wrapper))
     return model, extra
 
@@ -243,7 +278,7 @@ def k3(tmp_path_factory):
 
 def test_k3_config(k3):
     cfg = k3.cfg
-    assert cfg.attn_res_block == 2 and cfg.situ == (1.5, 2.0) and cfg.latent_moe == 20
+    assert cfg.attn_res_block == 2 and cfg.situ == (1.5, 2.0) and cfg.latent_moe == 64
     assert cfg.mla_output_gate and cfg.kda_full_rank_gate and cfg.latent_moe_norm
     assert [cfg.kind(i).block_start for i in range(3)] == [True, False, True]
 

@@ -185,3 +185,30 @@ def test_nan_scale_is_refused(folder, tmp_path):
         VerifierCheckpointError, match=rf"{bad}/model.safetensors: {key} holds E8M0's NaN"
     ):
         jax.block_until_ready(load_params(bad, load_verifier_config(bad), dtype=jnp.float32))
+
+
+def test_packed_decoding_is_compressed_tensors_bit_for_bit():
+    """compressed-tensors' mxfp4-pack-quantized layout (Kimi-K3's experts: weight_packed
+    [R, C/2], weight_scale [R, C/32]) decodes as compressed-tensors 0.20.1 unpacks it
+    (``unpack_fp4_from_uint8`` times ``decompress_mx_scale``): every code in both nibbles,
+    every scale but NaN's, slices crossing block edges."""
+    from compressed_tensors.compressors.mx_utils import decompress_mx_scale
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    rng = np.random.default_rng(4)
+    R, C = 6, 96
+    packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+    packed[0, :128] = np.arange(256, dtype=np.uint8)[: C // 2]  # every code, both nibbles
+    scale = rng.integers(0, 255, (R, C // mxfp4.BLOCK), dtype=np.uint8)
+    scale[1] = [0, 127, 254]  # the extremes
+    want = unpack_fp4_from_uint8(torch.from_numpy(packed), R, C, torch.float32)
+    want = want * decompress_mx_scale(torch.from_numpy(scale)).float().repeat_interleave(
+        mxfp4.BLOCK, dim=1
+    )
+    for rows, cols in [(slice(None), slice(None)), (slice(1, 4), slice(17, 70)),
+                       (slice(5, 6), slice(31, 33))]:  # fmt: skip
+        got = mxfp4.read_packed(packed, scale, rows, cols)
+        np.testing.assert_array_equal(got, want.numpy()[rows, cols])
+    scale[2, 1] = mxfp4.NAN_SCALE
+    with pytest.raises(ValueError, match="NaN"):
+        mxfp4.read_packed(packed, scale, slice(2, 3), slice(40, 41))
