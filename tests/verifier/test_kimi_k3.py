@@ -24,15 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dspark_jax.verifier import (
+    UnsupportedVerifierError,
+    VerifierCheckpointError,
+    load_params,
+    load_verifier_config,
+)
 from dspark_jax.verifier import forward as fwd
-from dspark_jax.verifier import load_params, load_verifier_config
 from tests.numerics import U
 from tests.verifier.bounds import chain_depth
 from tests.verifier.hf_models import build
@@ -320,3 +327,51 @@ def test_planted_k3_bugs(k3, monkeypatch, bug):
         )
     with pytest.raises(AssertionError, match="projection off"):
         k3.check(k3.run(cfg=cfg), what=f" ({bug})")
+
+
+def _corrupt(folder, tmp_path, key_suffix, change):
+    from safetensors.numpy import load_file as load_np
+    from safetensors.numpy import save_file as save_np
+
+    out = tmp_path / "bad"
+    shutil.copytree(folder, out)
+    tensors = load_np(str(out / "model.safetensors"))
+    key = next(k for k in sorted(tensors) if k.endswith(key_suffix))
+    change(tensors, key)
+    save_np(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out, key
+
+
+@pytest.mark.parametrize(
+    "suffix, change, message",
+    [
+        ("experts.3.w2.weight_scale", lambda t, k: t.pop(k), r"no tensor language_model\.model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight_scale"),
+        ("experts.0.w1.weight_packed", lambda t, k: t.update({k: t[k][:, :8]}), r"experts\.0\.w1\.weight_packed is U8 \(32, 8\), MXFP4 of .*experts\.0\.w1\.weight \(32, 64\) is U8 \(32, 32\)"),
+        ("experts.5.w3.weight_scale", lambda t, k: t.update({k: t[k].astype(np.float32)}), r"experts\.5\.w3\.weight_scale is F32"),
+        ("experts.2.w1.weight_scale", lambda t, k: t[k].__setitem__((3, 1), 255), r"experts\.2\.w1\.weight_scale holds E8M0's NaN scale \(255\): the checkpoint is corrupt"),
+    ],
+)  # fmt: skip
+def test_corrupt_packed_experts_are_named(k3, tmp_path, suffix, change, message):
+    bad, _ = _corrupt(k3.folder, tmp_path, suffix, change)
+    with pytest.raises(VerifierCheckpointError, match=message):
+        jax.block_until_ready(load_params(bad, load_verifier_config(bad), dtype=jnp.float32))
+
+
+def test_other_compressed_tensors_formats_are_refused(k3, tmp_path):
+    """int4 (pack-quantized) is not read: one line naming the scheme."""
+    config = json.loads((k3.folder / "config.json").read_text())
+    config["quantization_config"] = {**QUANT, "format": "pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UnsupportedVerifierError, match=r"quantization_config \(compressed-tensors\)"
+    ):
+        load_verifier_config(tmp_path)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_k3_split_over_context_matches_the_definition(k3):
+    """Over context=4 (shards of 7 tokens; both documents cross shard edges): the
+    attention residuals' blocks stay split with the tokens, the KDA state is handed over."""
+    from tests.verifier.test_context_split import _split_run
+
+    k3.check(_split_run(k3, 4), what=" (context=4)")

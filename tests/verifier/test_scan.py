@@ -51,6 +51,42 @@ QWEN3_MOE = dict(  # a dense first layer, then experts
     mlp_only_layers=[0],
 )
 
+# Kimi-K3 (flat config): attention-residual blocks of 3 layers, so layers 1-2, 4-5 and
+# 7-8 scan between the unrolled block starts (KDA but layer 4, MLA; experts after layer 0)
+KIMI_K3 = dict(
+    model_type="kimi_k3",
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    num_experts=4,
+    num_experts_per_token=2,
+    num_expert_group=2,
+    topk_group=1,
+    moe_intermediate_size=8,
+    num_shared_experts=1,
+    first_k_dense_replace=1,
+    moe_renormalize=True,
+    routed_scaling_factor=2.5,
+    linear_attn_config=dict(
+        head_dim=8,
+        num_heads=2,
+        short_conv_kernel_size=4,
+        kda_layers=[1, 2, 3, 4, 6, 7, 8, 9],
+        full_attn_layers=[5],
+        use_full_rank_gate=True,
+    ),  # fmt: skip
+    attn_res_block_size=3,
+    hidden_act="situ",
+    activation_situ_beta=1.5,
+    activation_situ_linear_beta=2.0,
+    mla_use_output_gate=True,
+    routed_expert_hidden_size=32,
+    latent_moe_use_norm=True,
+)
+
 
 def config(layers: int, **family):
     return verifier_config({**BASE, "model_type": "qwen3", **family, "num_hidden_layers": layers})
@@ -122,7 +158,9 @@ def test_program_size_does_not_grow_with_depth(family):
     assert size(24) == size(12)
 
 
-@pytest.mark.parametrize("family", [GEMMA2, GEMMA3, QWEN3_MOE], ids=lambda f: f["model_type"])
+@pytest.mark.parametrize(
+    "family", [GEMMA2, GEMMA3, QWEN3_MOE, KIMI_K3], ids=lambda f: f["model_type"]
+)
 def test_scanned_equals_layer_by_layer(family):
     cfg = config(9, **family)
     params = params_from_numpy(random_params(cfg), cfg)
