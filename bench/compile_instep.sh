@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --hidden-states-backend jax compiled for slices (bench/README.md, "In-step verifier"):
 # a Qwen3-8B-shaped verifier (configs/qwen3_8b_shape), a Llama-3.1-70B-shaped one
-# (configs/llama31_70b_shape), DeepSeek-V3's and Kimi-Linear-48B-A3B's, config.json only, + a 1-layer drafter, 8192 tokens, 1 row
+# (configs/llama31_70b_shape), DeepSeek-V3's, Kimi-Linear-48B-A3B's and Kimi-K3's, config.json only, + a 1-layer drafter, 8192 tokens, 1 row
 # per chip (the long-row rows: one row of 256K or 1M tokens split over 8 GPUs); target
 # layer ids as speculators' default (2, N // 2, N - 3). Needs the tpu
 # extra (the h200 row: the cuda-compile extra).
@@ -17,6 +17,7 @@ QWEN="configs/qwen3_8b_shape/verifier 2,18,33 151643"
 LLAMA="configs/llama31_70b_shape/verifier 2,40,77 128002"  # <|reserved_special_token_0|>
 DSV3="configs/deepseek_v3_shape/verifier 2,30,58 128000"  # speculators' default layers
 KIMI_LINEAR="configs/kimi_linear_48b_shape/verifier 2,13,24 163838"
+K3="configs/kimi_k3_shape/verifier 2,46,90 163838"  # speculators' default layers
 # name, target, mesh, rows per step, tokens per row, verifier. The long-row rows split each
 # row over `context` (the verifier's attention gathers a layer's K/V per shard; docs/design.md,
 # "In-step verifier under a context split").
@@ -32,6 +33,7 @@ ROWS=(
   "kimilinear-v5p-8 tpu:v5p:2x2x1 ${KIMI_LINEAR_MESH:-fsdp=4} 4 8192 $KIMI_LINEAR"
   "kimilinear-h200-8 gpu:h200:8 ${KIMI_LINEAR_MESH:-fsdp=8} 8 8192 $KIMI_LINEAR"
   "kimilinear-h200-8-256k gpu:h200:8 ${KIMI_LINEAR_LONG_MESH:-fsdp=2,context=4} 2 262144 $KIMI_LINEAR"
+  "k3-v5p-256 tpu:v5p:4x4x8 ${K3_MESH:-fsdp=128} 128 8192 $K3"
 )
 for row in "${ROWS[@]}"; do
   read -r name target mesh rows seq verifier ids mask <<<"$row"

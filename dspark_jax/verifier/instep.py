@@ -96,11 +96,17 @@ class InStepVerifier:
             else:
                 total += 2 * tokens * proj
                 total += 4 * pairs[i] * score  # scores and P V
+                if c.mla_output_gate:  # Kimi-K3's MLA gate
+                    total += 2 * tokens * h * nh * c.v_head_dim
             if c.is_moe(i):
                 e, k, mi = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-                total += 2 * tokens * (h * e + k * 3 * h * mi + 3 * h * c.shared_width)
+                eh = c.latent_moe or h  # Kimi-K3: experts in a latent, down and up
+                total += 2 * tokens * (h * e + k * 3 * eh * mi + 3 * h * c.shared_width)
+                total += 2 * tokens * 2 * h * eh if c.latent_moe else 0
             else:
                 total += 2 * tokens * 3 * h * c.intermediate_size
+            if c.attn_res_block is not None:  # two attention residuals: score and sum
+                total += 2 * tokens * 2 * 2 * h * (i // c.attn_res_block + 2)
         return total
 
     def _linear_attention_flops(self, mixer: str, chunk: int = 64) -> float:
@@ -113,6 +119,8 @@ class InStepVerifier:
         kd, vd = c.linear_k_heads * dk, nv * dv
         if mixer == "kda":  # q/k/v/o, the forget gate's and the output gate's pairs, beta
             proj = 2 * (4 * h * vd + 2 * (h * dv + dv * vd) + h * nv)
+            if c.kda_full_rank_gate:  # Kimi-K3: the output gate one [vd, h] projection
+                proj += 2 * (h * vd - (h * dv + dv * vd))
         else:  # in_proj_qkvz, in_proj_ba, out_proj
             proj = 2 * (h * (2 * kd + 2 * vd) + h * 2 * nv + vd * h)
         per_head = 2 * (2 * chunk * dk + chunk * chunk / 2 + chunk * (dk + dv) + 3 * dk * dv)
