@@ -191,16 +191,16 @@ def test_packed_decoding_is_compressed_tensors_bit_for_bit():
     """compressed-tensors' mxfp4-pack-quantized layout (Kimi-K3's experts: weight_packed
     [R, C/2], weight_scale [R, C/32]) decodes as compressed-tensors 0.20.1 unpacks it
     (``unpack_fp4_from_uint8`` times ``decompress_mx_scale``): every code in both nibbles,
-    every scale but NaN's, slices crossing block edges."""
+    scales 2**-127 .. 2**125 (above, 6 * 2**s overflows fp32), slices crossing block edges."""
     from compressed_tensors.compressors.mx_utils import decompress_mx_scale
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
     rng = np.random.default_rng(4)
     R, C = 6, 96
     packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
-    packed[0, :128] = np.arange(256, dtype=np.uint8)[: C // 2]  # every code, both nibbles
-    scale = rng.integers(0, 255, (R, C // mxfp4.BLOCK), dtype=np.uint8)
-    scale[1] = [0, 127, 254]  # the extremes
+    packed.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)  # every byte: both nibbles
+    scale = rng.integers(0, 253, (R, C // mxfp4.BLOCK), dtype=np.uint8)
+    scale[1] = [0, 127, 252]  # the extremes fp32 holds (6 * 2**126 would overflow)
     want = unpack_fp4_from_uint8(torch.from_numpy(packed), R, C, torch.float32)
     want = want * decompress_mx_scale(torch.from_numpy(scale)).float().repeat_interleave(
         mxfp4.BLOCK, dim=1
