@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +43,7 @@ from tests.numerics import U
 from tests.verifier.bounds import chain_depth
 from tests.verifier.hf_models import build
 from tests.verifier.test_forward import LAYER_IDS, Case, packed_row
+from tests.verifier.test_mxfp4 import _corrupt
 
 # 3 layers (KDA, MLA, KDA; dense, then experts): blocks start at layers 0 and 2, so layer
 # 2's attention residual sees two candidates and its MLP's three; layer id 3 is the last
@@ -327,19 +327,6 @@ def test_planted_k3_bugs(k3, monkeypatch, bug):
         )
     with pytest.raises(AssertionError, match="projection off"):
         k3.check(k3.run(cfg=cfg), what=f" ({bug})")
-
-
-def _corrupt(folder, tmp_path, key_suffix, change):
-    from safetensors.numpy import load_file as load_np
-    from safetensors.numpy import save_file as save_np
-
-    out = tmp_path / "bad"
-    shutil.copytree(folder, out)
-    tensors = load_np(str(out / "model.safetensors"))
-    key = next(k for k in sorted(tensors) if k.endswith(key_suffix))
-    change(tensors, key)
-    save_np(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out, key
 
 
 @pytest.mark.parametrize(
