@@ -33,7 +33,7 @@ ROWS=(
   "kimilinear-v5p-8 tpu:v5p:2x2x1 ${KIMI_LINEAR_MESH:-fsdp=4} 4 8192 $KIMI_LINEAR"
   "kimilinear-h200-8 gpu:h200:8 ${KIMI_LINEAR_MESH:-fsdp=8} 8 8192 $KIMI_LINEAR"
   "kimilinear-h200-8-256k gpu:h200:8 ${KIMI_LINEAR_LONG_MESH:-fsdp=2,context=4} 2 262144 $KIMI_LINEAR"
-  "k3-v5p-256 tpu:v5p:4x4x8 ${K3_MESH:-fsdp=128} 128 8192 $K3"
+  "k3-v5p-256 tpu:v5p:4x4x8 ${K3_MESH:-fsdp=32,tensor=4} ${K3_ROWS:-32} 8192 $K3"
 )
 for row in "${ROWS[@]}"; do
   read -r name target mesh rows seq verifier ids mask <<<"$row"
