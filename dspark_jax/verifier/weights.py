@@ -368,57 +368,54 @@ def _expert_part(ckpt: Checkpoint, name: str, stem: str, want: tuple[int, int]):
                 f"{ckpt.shape(key)}, config.json implies {want}"
             )
         return lambda r, c: ckpt.view(key)[r, c]
-    packed, scale = (f"{stem}.{x}" for x in mxfp4.PACKED_SUFFIXES)
-    if packed not in ckpt:
+    parts = tuple(f"{stem}.{x}" for x in mxfp4.PACKED_SUFFIXES)
+    if parts[0] not in ckpt:
         raise VerifierCheckpointError(
             f"{ckpt.source}: no tensor {ckpt.prefix}{name} nor {ckpt.prefix}{key}"
         )
     r, c = want
-    for part, shape in ((packed, (r, c // 2)), (scale, (r, c // mxfp4.BLOCK))):
-        if part not in ckpt:
-            raise VerifierCheckpointError(f"{ckpt.source}: no tensor {ckpt.prefix}{part}")
-        f, k = ckpt.file(part)
-        if c % mxfp4.BLOCK or ckpt.shape(part) != shape or f.info(k).dtype != "U8":
-            raise VerifierCheckpointError(
-                f"{f.path}: {k} is {f.info(k).dtype} {ckpt.shape(part)}, MXFP4 of "
-                f"{ckpt.prefix}{key} {want} is U8 {shape}"
-            )
-
-    def read(rows: slice, cols: slice) -> np.ndarray:
-        try:
-            return mxfp4.read_packed(ckpt.view(packed), ckpt.view(scale), rows, cols)
-        except ValueError as e:
-            raise VerifierCheckpointError(
-                f"{ckpt.file(scale)[0].path}: {ckpt.prefix}{scale} holds {e}: the "
-                "checkpoint is corrupt"
-            ) from None
-
-    return read
+    if c % mxfp4.BLOCK:
+        raise VerifierCheckpointError(
+            f"{ckpt.source}: {ckpt.prefix}{key} {want} is MXFP4-packed, but its input width "
+            f"{c} is no multiple of {mxfp4.BLOCK}"
+        )
+    decode = _mxfp4_pair(ckpt, parts, ((r, c // 2), (r, c // mxfp4.BLOCK)), f"{key} {want}")
+    return lambda rows, cols: decode(
+        lambda packed, scale: mxfp4.read_packed(packed, scale, rows, cols)
+    )
 
 
-def _mxfp4_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reader:
-    """Slices of an expert weight stored as MXFP4 blocks and scales (gpt-oss), dequantized."""
-    parts = (name + mxfp4.BLOCKS_SUFFIX, name + mxfp4.SCALES_SUFFIX)
-    for part, want in zip(parts, mxfp4.packed_shapes(shape), strict=True):
+def _mxfp4_pair(ckpt: Checkpoint, parts: tuple[str, str], shapes, of: str):
+    """Check MXFP4's codes and scales tensors ``parts`` exist as U8 of ``shapes`` (the
+    weight ``of``: its name and shape); returns ``decode(f)``, which calls
+    ``f(codes, scales)`` on their memory maps and names the scales on a NaN scale."""
+    for part, want in zip(parts, shapes, strict=True):
         if part not in ckpt:
             raise VerifierCheckpointError(f"{ckpt.source}: no tensor {ckpt.prefix}{part}")
         f, key = ckpt.file(part)
         if ckpt.shape(part) != want or f.info(key).dtype != "U8":
             raise VerifierCheckpointError(
                 f"{f.path}: {key} is {f.info(key).dtype} {ckpt.shape(part)}, MXFP4 of "
-                f"{ckpt.prefix}{name} {shape} is U8 {want}"
+                f"{ckpt.prefix}{of} is U8 {want}"
             )
 
-    def read(index: tuple[slice, ...]) -> np.ndarray:
+    def decode(f):
         try:
-            return mxfp4.read_slice(*(ckpt.view(p) for p in parts), index)
+            return f(*(ckpt.view(p) for p in parts))
         except ValueError as e:
             raise VerifierCheckpointError(
                 f"{ckpt.file(parts[1])[0].path}: {ckpt.prefix}{parts[1]} holds {e}: the "
                 "checkpoint is corrupt"
             ) from None
 
-    return read
+    return decode
+
+
+def _mxfp4_reader(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Reader:
+    """Slices of an expert weight stored as MXFP4 blocks and scales (gpt-oss), dequantized."""
+    parts = (name + mxfp4.BLOCKS_SUFFIX, name + mxfp4.SCALES_SUFFIX)
+    decode = _mxfp4_pair(ckpt, parts, mxfp4.packed_shapes(shape), f"{name} {shape}")
+    return lambda index: decode(lambda blocks, scales: mxfp4.read_slice(blocks, scales, index))
 
 
 def _tensor_reader(ckpt: Checkpoint, cfg: VerifierConfig, name: str, shape: tuple) -> Reader:
